@@ -1,0 +1,28 @@
+"""megatron_fsdp: fully sharded data parallelism in the Megatron style, on CPU and CUDA."""
+
+from .collectives import CollectiveRecorder, record_collectives
+from .config import DistributedDataParallelConfig
+from .distributed_index import FSDPDistributedIndex
+from .enums import BucketStatus, ShardingStrategy, TrainingState
+from .fully_shard import fully_shard, fully_shard_model, fully_shard_optimizer
+from .megatron_fsdp import MegatronFSDP
+from .mixed_precision import MixedPrecisionPolicy
+from .state_dict import get_full_state_dict
+
+__all__ = [
+    "BucketStatus",
+    "CollectiveRecorder",
+    "DistributedDataParallelConfig",
+    "FSDPDistributedIndex",
+    "MegatronFSDP",
+    "MixedPrecisionPolicy",
+    "ShardingStrategy",
+    "TrainingState",
+    "fully_shard",
+    "fully_shard_model",
+    "fully_shard_optimizer",
+    "get_full_state_dict",
+    "record_collectives",
+]
+
+__version__ = "0.1.0"

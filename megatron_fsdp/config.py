@@ -1,0 +1,105 @@
+"""``DistributedDataParallelConfig``: the Megatron-style knobs, validated once.
+
+Field names follow Megatron-core's config of the same name, so either object can
+be handed to ``FullyShardedDataParallel``. The strategy fields keep the user's
+spelling for compatibility; code reads the parsed enums (``sharding_strategy``,
+``outer_sharding_strategy``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional, Union
+
+import torch
+
+from .enums import ShardingStrategy
+from .mixed_precision import MixedPrecisionPolicy, parse_dtype
+
+DtypeLike = Union[torch.dtype, str, None]
+
+
+@dataclasses.dataclass(kw_only=True)
+class DistributedDataParallelConfig:
+    """Configuration of data-parallel training with Megatron-FSDP."""
+
+    data_parallel_sharding_strategy: Union[str, int] = "optim_grads_params"
+    """ZeRO level inside the shard group: no_shard, optim, optim_grads, optim_grads_params (0-3)."""
+    outer_dp_sharding_strategy: Union[str, int] = "no_shard"
+    """HSDP outer group: no_shard (replicate) or optim (HFSDP: shard optimizer state too)."""
+    num_distributed_optimizer_instances: int = 1
+    """Megatron's name for the outer (replica) group size under HFSDP."""
+    use_megatron_fsdp: bool = True
+    use_distributed_optimizer: bool = True
+    overlap_grad_reduce: bool = True
+    """Reduce a bucket's gradients as soon as they are ready, during backward."""
+    overlap_param_gather: bool = True
+    """Gather the next unit's weights while the current one computes."""
+    bucket_size: Optional[int] = None
+    """Accepted for Megatron compatibility; buckets follow FSDP units here."""
+    average_in_collective: bool = False
+    """Average with ``ReduceOp.AVG`` inside the collective instead of pre-scaling."""
+    check_for_nan_in_grad: bool = False
+    """Raise before the gradient collective when a local gradient holds NaN/Inf."""
+    grad_reduce_in_fp32: bool = False
+    """Deprecated alias of ``megatron_fsdp_main_grads_dtype='fp32'``."""
+    preserve_fp32_weights: bool = True
+    """Deprecated alias: ``False`` means ``megatron_fsdp_main_params_dtype='auto'``."""
+    megatron_fsdp_main_params_dtype: DtypeLike = torch.float32
+    megatron_fsdp_main_grads_dtype: DtypeLike = None
+    megatron_fsdp_grad_comm_dtype: DtypeLike = None
+    fsdp_double_buffer: bool = False
+    """Reuse two fixed unsharded buckets per dtype instead of allocating per unit."""
+    nccl_ub: bool = False
+    """NCCL user-buffer registration (CUDA only)."""
+    suggested_communication_unit_size: Optional[int] = None
+    """Group consecutive small units into one collective of about this many elements."""
+    prefetch_depth: int = 1
+    """How many units ahead the all-gather pipeline prefetches."""
+    keep_fp8_transpose_cache: bool = False
+    fp8_param_gather: bool = False
+    gradient_reduce_div_fusion: bool = True
+    collective_timeout_s: Optional[float] = None
+    """Seconds a collective may block before it fails (None: the process group's)."""
+
+    def __post_init__(self) -> None:
+        self.sharding_strategy = ShardingStrategy.parse(
+            self.data_parallel_sharding_strategy, arg_name="data_parallel_sharding_strategy"
+        )
+        self.outer_sharding_strategy = ShardingStrategy.parse(
+            self.outer_dp_sharding_strategy,
+            arg_name="outer_dp_sharding_strategy",
+            allowed=(ShardingStrategy.NO_SHARD, ShardingStrategy.OPTIM),
+        )
+        if self.num_distributed_optimizer_instances < 1:
+            raise ValueError(
+                f"num_distributed_optimizer_instances={self.num_distributed_optimizer_instances} must be >= 1"
+            )
+        if self.prefetch_depth < 0:
+            raise ValueError(f"prefetch_depth={self.prefetch_depth} must be >= 0 (0 disables prefetching)")
+        if self.suggested_communication_unit_size is not None and self.suggested_communication_unit_size <= 0:
+            raise ValueError(
+                f"suggested_communication_unit_size={self.suggested_communication_unit_size} must be positive"
+            )
+        self.mixed_precision_policy()  # validate the dtype fields now, not at first use
+
+    def mixed_precision_policy(self) -> MixedPrecisionPolicy:
+        """The single mapping from Megatron's dtype flags to ``MixedPrecisionPolicy``."""
+        return mixed_precision_policy_from(self)
+
+
+def mixed_precision_policy_from(cfg: Any) -> MixedPrecisionPolicy:
+    """Build the policy from any object with Megatron's field names (ours or
+    Megatron-core's ``DistributedDataParallelConfig``)."""
+    main_params = parse_dtype(
+        getattr(cfg, "megatron_fsdp_main_params_dtype", torch.float32), arg_name="megatron_fsdp_main_params_dtype"
+    )
+    if not getattr(cfg, "preserve_fp32_weights", True):
+        main_params = None
+    main_grads = parse_dtype(
+        getattr(cfg, "megatron_fsdp_main_grads_dtype", None), arg_name="megatron_fsdp_main_grads_dtype"
+    )
+    if main_grads is None and getattr(cfg, "grad_reduce_in_fp32", False):
+        main_grads = torch.float32
+    grad_comm = parse_dtype(getattr(cfg, "megatron_fsdp_grad_comm_dtype", None), arg_name="megatron_fsdp_grad_comm_dtype")
+    return MixedPrecisionPolicy(main_params_dtype=main_params, main_grads_dtype=main_grads, grad_comm_dtype=grad_comm)

@@ -1,0 +1,200 @@
+"""Public entry points, argument-compatible with upstream Megatron-FSDP:
+``fully_shard_model``, ``fully_shard_optimizer`` and ``fully_shard``."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from . import device as device_mod
+from .config import DistributedDataParallelConfig
+from .distributed_index import DEFAULT_DP_SHARD_DIM, DEFAULT_TP_DIM, FSDPDistributedIndex, build_default_mesh
+from .enums import ShardingStrategy
+from .megatron_fsdp import MegatronFSDP, owner_of
+from .mixed_precision import MixedPrecisionPolicy
+
+logger = logging.getLogger(__name__)
+
+
+def fully_shard_model(
+    module: torch.nn.Module,
+    device_mesh: Optional[DeviceMesh] = None,
+    dp_shard_dim: Optional[str] = None,
+    dp_outer_dim: Optional[str] = None,
+    tp_dim: Optional[str] = None,
+    hybrid_fsdp_group: Optional[dist.ProcessGroup] = None,
+    expt_device_mesh: Optional[DeviceMesh] = None,
+    fsdp_unit_modules: Optional[Sequence[Any]] = None,
+    zero_dp_strategy: str | int = 3,
+    outer_dp_sharding_strategy: str | int = 0,
+    device: Optional[torch.device] = None,
+    init_model_with_meta_device: bool = False,
+    mixed_precision_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    overlap_grad_reduce: bool = True,
+    overlap_param_gather: bool = True,
+    sync_model_each_microbatch: bool = True,
+    preproc_state_dict_for_dcp_ckpt: bool = True,
+    report_nan_in_param_grad: bool = False,
+    average_in_collective: bool = False,
+    disable_bucketing: bool = False,
+    calculate_per_token_loss: bool = False,
+    keep_fp8_transpose_cache: bool = False,
+    nccl_ub: bool = False,
+    fsdp_double_buffer: bool = False,
+    enable_fine_grained_param_gather: bool = False,
+    check_for_nan_in_grad: bool = False,
+) -> MegatronFSDP:
+    """Wrap ``module`` in ``MegatronFSDP``; see the README for the meaning of each argument."""
+    strategy = ShardingStrategy.parse(zero_dp_strategy, arg_name="zero_dp_strategy")
+    outer = ShardingStrategy.parse(
+        outer_dp_sharding_strategy,
+        arg_name="outer_dp_sharding_strategy",
+        allowed=(ShardingStrategy.NO_SHARD, ShardingStrategy.OPTIM),
+    )
+    if outer is ShardingStrategy.OPTIM and strategy is not ShardingStrategy.OPTIM_GRADS_PARAMS:
+        raise ValueError(
+            f"outer_dp_sharding_strategy='optim' (HFSDP) needs zero_dp_strategy=3/'optim_grads_params', "
+            f"got {strategy.label!r}: outer sharding builds on full inner sharding"
+        )
+    if (dp_outer_dim is None) != (hybrid_fsdp_group is None):
+        raise ValueError(
+            f"dp_outer_dim={dp_outer_dim!r} and hybrid_fsdp_group={hybrid_fsdp_group!r} go together for HSDP; "
+            "pass both (HSDP) or neither (FSDP)"
+        )
+    resolved_device = device_mod.resolve_device(device)
+    if device_mesh is None:
+        dp_shard_dim = dp_shard_dim or DEFAULT_DP_SHARD_DIM
+        tp_dim = tp_dim or DEFAULT_TP_DIM
+        device_mesh = build_default_mesh(device_mod.mesh_device_type(resolved_device), dp_shard_dim, tp_dim)
+    elif dp_shard_dim is None:
+        raise ValueError("dp_shard_dim is required with a device_mesh: name the mesh dimension to shard over")
+
+    ddp_config = DistributedDataParallelConfig(
+        data_parallel_sharding_strategy=strategy.label,
+        outer_dp_sharding_strategy=outer.label,
+        overlap_grad_reduce=overlap_grad_reduce,
+        overlap_param_gather=overlap_param_gather,
+        average_in_collective=average_in_collective,
+        check_for_nan_in_grad=check_for_nan_in_grad,
+        keep_fp8_transpose_cache=keep_fp8_transpose_cache,
+        nccl_ub=nccl_ub,
+        fsdp_double_buffer=fsdp_double_buffer or nccl_ub,
+        megatron_fsdp_main_params_dtype=mixed_precision_policy.main_params_dtype,
+        megatron_fsdp_main_grads_dtype=mixed_precision_policy.main_grads_dtype,
+        megatron_fsdp_grad_comm_dtype=mixed_precision_policy.grad_comm_dtype,
+    )
+    dist_index = FSDPDistributedIndex(
+        device_mesh,
+        dp_shard_dim=dp_shard_dim,
+        dp_outer_dim=dp_outer_dim,
+        tp_dim=tp_dim,
+        hybrid_fsdp_group=hybrid_fsdp_group,
+        hsdp_outer_dp_shard=outer is ShardingStrategy.OPTIM,
+        expt_device_mesh=expt_device_mesh,
+    )
+    model = MegatronFSDP(
+        module,
+        dist_index=dist_index,
+        ddp_config=ddp_config,
+        mixed_precision_policy=mixed_precision_policy,
+        fsdp_unit_modules=fsdp_unit_modules,
+        disable_bucketing=disable_bucketing,
+        device=resolved_device,
+        calculate_per_token_loss=calculate_per_token_loss,
+        init_model_with_meta_device=init_model_with_meta_device,
+        sync_model_each_microbatch=sync_model_each_microbatch,
+        enable_fine_grained_param_gather_hook=enable_fine_grained_param_gather,
+        report_nan_in_param_grad=report_nan_in_param_grad,
+    )
+    model.preproc_state_dict_for_dcp_ckpt = preproc_state_dict_for_dcp_ckpt
+    return model
+
+
+def fully_shard_optimizer(
+    optimizer: torch.optim.Optimizer, preproc_state_dict_for_dcp_ckpt: bool = True
+) -> torch.optim.Optimizer:
+    """Make ``optimizer.step()`` / ``zero_grad()`` drive the model's gradient and
+    weight synchronisation. The optimizer is otherwise left untouched: no state is
+    created and no step is counted (its first real step is its first step)."""
+    models = []
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            owner = owner_of(param)
+            if owner is None:
+                raise ValueError(
+                    "fully_shard_optimizer: a parameter of the optimizer does not belong to a MegatronFSDP model; "
+                    "build the optimizer from the wrapped model's parameters: opt = Opt(model.parameters())"
+                )
+            if owner not in models:
+                models.append(owner)
+    if not models:
+        raise ValueError("fully_shard_optimizer: the optimizer has no parameters")
+
+    base_step, base_zero_grad = optimizer.step, optimizer.zero_grad
+
+    def step(*args: Any, sync_grad_before_optimizer_step: bool = True, install_optimized_model_weights: bool = True, **kwargs: Any):
+        for model in models:
+            if sync_grad_before_optimizer_step and not model.model_auto_sync:
+                model.finish_grad_sync()
+        result = base_step(*args, **kwargs)
+        if install_optimized_model_weights:
+            for model in models:
+                model.install_optimized_model_weights()
+        return result
+
+    def zero_grad(*args: Any, zero_grad_buffer: bool = True, **kwargs: Any):
+        base_zero_grad(*args, **kwargs)
+        if zero_grad_buffer:
+            for model in models:
+                model.zero_grad_buffer()
+
+    # Instance attributes shadow the class methods; type(optimizer).step stays intact.
+    optimizer.step = step
+    optimizer.zero_grad = zero_grad
+    optimizer.megatron_fsdp_models = models
+    optimizer.preproc_state_dict_for_dcp_ckpt = preproc_state_dict_for_dcp_ckpt
+    return optimizer
+
+
+def fully_shard(
+    module: torch.nn.Module, optimizer_or_factory: Any, **kwargs: Any
+) -> tuple[MegatronFSDP, torch.optim.Optimizer]:
+    """``fully_shard_model`` plus ``fully_shard_optimizer``.
+
+    ``optimizer_or_factory`` is either a callable building the optimizer from the
+    sharded parameters (``lambda params: AdamW(params, lr=1e-3)``) or an optimizer
+    built on the *original* module, whose hyper-parameters and param-group layout
+    are re-created over the sharded parameters.
+    """
+    preproc = kwargs.get("preproc_state_dict_for_dcp_ckpt", True)
+    model = fully_shard_model(module, **kwargs)
+    if isinstance(optimizer_or_factory, torch.optim.Optimizer):
+        optimizer = _rebuild_optimizer(optimizer_or_factory, module, model)
+    else:
+        optimizer = optimizer_or_factory(model.parameters())
+    return model, fully_shard_optimizer(optimizer, preproc_state_dict_for_dcp_ckpt=preproc)
+
+
+def _rebuild_optimizer(old: torch.optim.Optimizer, module: torch.nn.Module, model: MegatronFSDP) -> torch.optim.Optimizer:
+    if old.state:
+        raise ValueError(
+            "fully_shard: the optimizer already holds state; build it before training, or pass a factory "
+            "(lambda params: torch.optim.AdamW(params, ...))"
+        )
+    # Compute parameters were re-pointed into buffers but are the same objects.
+    dist_of = {}
+    for name, dist_param in model.named_parameters():
+        dist_of[id(module.get_parameter(name))] = dist_param
+    groups = []
+    for group in old.param_groups:
+        new_group = {k: v for k, v in group.items() if k != "params"}
+        missing = [p for p in group["params"] if id(p) not in dist_of]
+        if missing:
+            raise ValueError("fully_shard: the optimizer holds parameters that are not in the module being sharded")
+        new_group["params"] = [dist_of[id(p)] for p in group["params"]]
+        groups.append(new_group)
+    return type(old)(groups, **old.defaults)

@@ -1,0 +1,231 @@
+"""``GradReducePipeline``: from autograd's raw gradients to reduced main gradients.
+
+Per group and per backward pass::
+
+    param.grad --copy/add--> bucket --reduce--> main grad (+= or copy) --> optimizer
+
+* ZeRO-0/1 accumulate raw gradients straight into the replicated main-grad buffer
+  and reduce it once per optimization step (all-reduce / reduce-scatter), when the
+  group is complete in a backward pass that syncs.
+* ZeRO-2/3 cannot hold unsharded gradients across microbatches: every backward
+  copies them into a temporary bucket, reduce-scatters it, and *adds* the reduced
+  shard into the sharded main-grad buffer.
+
+The reduce-scatter never writes into its own source: ZeRO-1 reduces into a
+temporary shard and copies it into place (upstream once accumulated the result
+back into the source shard, doubling the local gradient). When ``grad_comm_dtype``
+differs from the main-grad dtype, the source is a temporary bucket of the wire dtype
+that lives only for the collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from . import collectives
+from .allocator import StorageResizeAllocator
+from .enums import ShardingStrategy
+from .mixed_precision import MixedPrecisionPolicy
+from .param_and_grad_buffer import ParameterGroup
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GradReduceOptions:
+    strategy: ShardingStrategy
+    scaling_factor: float
+    """Multiplies gradients before a SUM collective (1/dp for averaging)."""
+    average_in_collective: bool
+    """Use ReduceOp.AVG instead of pre-scaling."""
+    overlap: bool
+    """Launch collectives asynchronously as groups complete."""
+    check_for_nan: bool
+
+
+@dataclasses.dataclass(eq=False)
+class _GroupGradState:
+    ready: set = dataclasses.field(default_factory=set)
+    """Item indices whose gradient arrived in the current backward pass."""
+    bucket: Optional[torch.Tensor] = None
+    """ZeRO-2/3: temporary unsharded gradients of the current backward pass."""
+    launched: bool = False
+    """A reduction for the current backward pass was issued."""
+    reductions_since_zero: int = 0
+
+
+@dataclasses.dataclass(eq=False)
+class _Pending:
+    group: ParameterGroup
+    work: Optional[dist.Work]
+    finalize: Callable[[], None]
+
+
+class GradReducePipeline:
+    def __init__(
+        self,
+        groups: list[ParameterGroup],
+        *,
+        shard_group: dist.ProcessGroup,
+        policy: MixedPrecisionPolicy,
+        options: GradReduceOptions,
+        allocator: StorageResizeAllocator,
+    ) -> None:
+        self.groups = [g for g in groups if g.requires_grad]
+        self.shard_group = shard_group
+        self.policy = policy
+        self.options = options
+        self.allocator = allocator
+        self._state = {g: _GroupGradState() for g in self.groups}
+        self._pending: list[_Pending] = []
+
+    # -- gradients arrive ----------------------------------------------------------
+    @torch.no_grad()
+    def accumulate(self, group: ParameterGroup, index: int, param: nn.Parameter) -> bool:
+        """Take ``param.grad`` into the group's buffer; True once the group is complete."""
+        grad = param.grad
+        param.grad = None
+        state = self._state[group]
+        if grad is not None:
+            flat = grad.reshape(-1)
+            if self.options.strategy.shards_grads:
+                if state.bucket is None:
+                    state.bucket = self.allocator.new(
+                        group.layout.padded_numel, self._comm_dtype(group), group.main_grads.device, zero=True
+                    )
+                start, end = group.layout.item_range(index)
+                state.bucket[start:end].add_(flat)
+            else:
+                group.main_grads.item_in_bucket(index).add_(flat)
+        state.ready.add(index)
+        return len(state.ready) == len(group.params)
+
+    def is_complete(self, group: ParameterGroup) -> bool:
+        return len(self._state[group].ready) == len(group.params)
+
+    def is_launched(self, group: ParameterGroup) -> bool:
+        return self._state[group].launched
+
+    # -- reduction -------------------------------------------------------------
+    def _comm_dtype(self, group: ParameterGroup) -> torch.dtype:
+        return self.policy.comm_dtype_for(group.dtype)
+
+    def reduce(self, group: ParameterGroup) -> None:
+        """Issue the group's collective for the current backward pass (at most once)."""
+        if not self._state[group].launched:
+            self._launch(group)
+
+    def start_all(self) -> None:
+        """Reduce whatever has not been reduced: ZeRO-0/1 groups not reduced since the
+        last zeroing, ZeRO-2/3 groups still holding unreduced gradients."""
+        for group in self.groups:
+            state = self._state[group]
+            if self.options.strategy.shards_grads:
+                if state.bucket is not None:
+                    self._launch(group)
+            elif state.reductions_since_zero == 0:
+                self._launch(group)
+
+    def _launch(self, group: ParameterGroup, async_op: Optional[bool] = None) -> None:
+        state = self._state[group]
+        state.launched = True
+        state.reductions_since_zero += 1
+        if not self.options.strategy.shards_grads and state.reductions_since_zero > 1:
+            logger.warning(
+                "gradients of %s are being reduced a second time without zero_grad_buffer(); the "
+                "reduced values would be counted twice. Call model.zero_grad_buffer() (or "
+                "optimizer.zero_grad()) every step, and use model.no_sync() for microbatches.",
+                group.label,
+            )
+        async_op = self.options.overlap if async_op is None else async_op
+        strategy, main = self.options.strategy, group.main_grads
+        comm_dtype = self._comm_dtype(group)
+
+        if strategy.shards_grads:
+            source = state.bucket
+            if source is None:  # no gradient reached this group, but every rank must join
+                source = self.allocator.new(group.layout.padded_numel, comm_dtype, main.device, zero=True)
+            state.bucket = None
+        elif comm_dtype != main.dtype:
+            source = self.allocator.new(group.layout.padded_numel, comm_dtype, main.device)
+            source.copy_(main.data)
+        else:
+            source = main.data
+
+        if self.options.check_for_nan:
+            self._check_finite(group, source)
+        op = dist.ReduceOp.AVG if self.options.average_in_collective else dist.ReduceOp.SUM
+        if not self.options.average_in_collective and self.options.scaling_factor != 1.0:
+            source.mul_(self.options.scaling_factor)
+
+        if strategy is ShardingStrategy.NO_SHARD:
+            work = collectives.all_reduce(source, self.shard_group, op=op, async_op=async_op, label=group.label)
+            output = source
+        else:
+            output = self.allocator.new(group.layout.shard_numel, comm_dtype, main.device)
+            work = collectives.reduce_scatter(output, source, self.shard_group, op=op, async_op=async_op, label=group.label)
+        finalize = self._finalizer(group, source, output)
+        if async_op:
+            self._pending.append(_Pending(group, work, finalize))
+        else:
+            finalize()
+
+    def _finalizer(self, group: ParameterGroup, source: torch.Tensor, output: torch.Tensor) -> Callable[[], None]:
+        main = group.main_grads
+
+        @torch.no_grad()
+        def finalize() -> None:
+            if self.options.strategy.shards_grads:
+                main.data.add_(output)  # type promotion into the main-grad dtype
+            elif output is not main.data:
+                target = main.data if self.options.strategy is ShardingStrategy.NO_SHARD else main.shard
+                target.copy_(output)
+            for temp in (output, source):
+                if temp is not main.data:
+                    self.allocator.release(temp)
+
+        return finalize
+
+    def _check_finite(self, group: ParameterGroup, flat: torch.Tensor) -> None:
+        if bool(torch.isfinite(flat).all()):
+            return
+        bad = []
+        for index, name in enumerate(group.names):
+            start, end = group.layout.item_range(index)
+            if not bool(torch.isfinite(flat[start:end]).all()):
+                bad.append(name)
+        rank = dist.get_rank()
+        raise FloatingPointError(
+            f"rank {rank}: NaN or Inf in the local gradient of {', '.join(bad)} before the gradient "
+            "collective; check the loss and the inputs of this rank (check_for_nan_in_grad=True)"
+        )
+
+    # -- step boundaries ---------------------------------------------------------
+    def wait_all(self) -> None:
+        pending, self._pending = self._pending, []
+        for item in pending:
+            if item.work is not None:
+                item.work.wait()
+            item.finalize()
+
+    def end_backward(self) -> None:
+        """Forget which gradients arrived; the next backward pass starts afresh."""
+        for state in self._state.values():
+            state.ready.clear()
+            state.launched = False
+
+    def zero(self) -> None:
+        self.wait_all()
+        for g in self.groups:
+            g.main_grads.data.zero_()
+            state = self._state[g]
+            state.reductions_since_zero = 0
+            if state.bucket is not None:
+                self.allocator.release(state.bucket)
+                state.bucket = None

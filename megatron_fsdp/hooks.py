@@ -1,0 +1,206 @@
+"""Module and autograd hooks: when to gather, release and reduce.
+
+Per FSDP unit::
+
+    pre-forward    gather the unit's weights (wait for a prefetch), prefetch the next unit
+    post-forward   ZeRO-3: release the weights; register a pre-backward hook on outputs
+    pre-backward   gather the weights again, prefetch the unit that runs backward next
+    grads ready    per parameter group: reduce, and (ZeRO-3) release its weights
+
+and for the root: pre-forward gathers the parameters outside any unit, the first
+pre-backward queues an end-of-backward callback that reduces what is left,
+releases what is still gathered and finishes the gradient sync.
+
+[Note: activation recomputation] A checkpointed unit re-runs its forward inside
+its backward. The pre-backward hook fires first (it hangs off the unit's outputs)
+and marks the unit PRE_BACKWARD; the forward hooks see that mark and neither
+gather nor release, so the unit is gathered once for the whole recompute+backward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn as nn
+from torch.autograd import Variable
+from torch.autograd.graph import register_multi_grad_hook
+from torch.profiler import record_function
+from torch.utils._pytree import tree_flatten
+
+from .all_gather_pipeline import AllGatherPipeline
+from .enums import TrainingState
+from .grad_reduce_pipeline import GradReducePipeline
+from .param_and_grad_buffer import ParamAndGradBuffer, ParameterGroup
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(eq=False)
+class FSDPUnit:
+    index: int
+    name: str
+    module: nn.Module
+    groups: list[ParameterGroup]
+    state: TrainingState = TrainingState.IDLE
+
+
+def _grad_tensors(output: Any) -> list[torch.Tensor]:
+    leaves, _ = tree_flatten(output)
+    return [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+class HookRuntime:
+    """Owns the unit states and drives the two pipelines from module/autograd hooks."""
+
+    def __init__(
+        self,
+        *,
+        buffer: ParamAndGradBuffer,
+        units: list[FSDPUnit],
+        all_gather: AllGatherPipeline,
+        grad_reduce: GradReducePipeline,
+        overlap_param_gather: bool,
+        prefetch_depth: int,
+        sync_enabled: Callable[[], bool],
+        on_backward_end: Callable[[], None],
+    ) -> None:
+        self.buffer = buffer
+        self.units = units
+        self.all_gather = all_gather
+        self.grad_reduce = grad_reduce
+        self.overlap_param_gather = overlap_param_gather
+        self.prefetch_depth = prefetch_depth if overlap_param_gather else 0
+        self.sync_enabled = sync_enabled
+        self.on_backward_end = on_backward_end
+        self.root_groups = buffer.groups_of_unit(None)
+        self.forward_order: list[FSDPUnit] = []
+        self._order_final = False
+        self._backward_queued = False
+        self._handles: list[Any] = []
+
+    # -- registration -------------------------------------------------------------
+    def register(self) -> None:
+        for unit in self.units:
+            self._handles.append(unit.module.register_forward_pre_hook(self._make_pre_forward(unit)))
+            self._handles.append(unit.module.register_forward_hook(self._make_post_forward(unit)))
+        for group in self.buffer.grad_groups:
+            for index, param in enumerate(group.params):
+                self._handles.append(param.register_post_accumulate_grad_hook(self._make_grad_hook(group, index)))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _make_pre_forward(self, unit: FSDPUnit):
+        def hook(module, args):
+            self.pre_forward(unit)
+
+        return hook
+
+    def _make_post_forward(self, unit: FSDPUnit):
+        def hook(module, args, output):
+            return self.post_forward(unit, output)
+
+        return hook
+
+    def _make_grad_hook(self, group: ParameterGroup, index: int):
+        def hook(param: torch.Tensor) -> None:
+            self.on_grad(group, index, param)
+
+        return hook
+
+    # -- root ---------------------------------------------------------------------
+    def root_pre_forward(self) -> None:
+        with record_function("megatron_fsdp::root_pre_forward"):
+            self.all_gather.unshard_and_wait(self.root_groups)
+
+    def root_post_forward(self, output: Any) -> Any:
+        if not self.forward_order:
+            pass
+        elif not self._order_final and torch.is_grad_enabled():
+            self._order_final = True
+        tensors = _grad_tensors(output) if torch.is_grad_enabled() else []
+        if tensors:
+            register_multi_grad_hook(tensors, self._root_pre_backward, mode="any")
+        else:
+            # Evaluation: nothing will come back for these weights.
+            self.all_gather.reshard(self.root_groups)
+        return output
+
+    def _root_pre_backward(self, grad: Any) -> None:
+        if not self._backward_queued:
+            self._backward_queued = True
+            Variable._execution_engine.queue_callback(self._post_backward_final)
+
+    # -- units --------------------------------------------------------------------
+    def pre_forward(self, unit: FSDPUnit) -> None:
+        if unit.state is TrainingState.PRE_BACKWARD:
+            return  # recompute inside backward: already gathered
+        unit.state = TrainingState.FORWARD
+        if not self._order_final and unit not in self.forward_order and torch.is_grad_enabled():
+            self.forward_order.append(unit)
+        with record_function(f"megatron_fsdp::unshard:{unit.name}"):
+            self.all_gather.unshard(unit.groups, async_op=False)
+            self.all_gather.wait(unit.groups)
+            self._prefetch(unit, step=1)
+
+    def post_forward(self, unit: FSDPUnit, output: Any) -> Any:
+        if unit.state is TrainingState.PRE_BACKWARD:
+            return output
+        unit.state = TrainingState.IDLE
+        with record_function(f"megatron_fsdp::reshard:{unit.name}"):
+            self.all_gather.reshard(unit.groups)
+        tensors = _grad_tensors(output) if torch.is_grad_enabled() else []
+        if tensors:
+            register_multi_grad_hook(tensors, lambda grads: self.pre_backward(unit), mode="any")
+        return output
+
+    def pre_backward(self, unit: FSDPUnit) -> None:
+        self._root_pre_backward(None)
+        if unit.state is TrainingState.PRE_BACKWARD:
+            return
+        unit.state = TrainingState.PRE_BACKWARD
+        with record_function(f"megatron_fsdp::unshard_backward:{unit.name}"):
+            self.all_gather.unshard(unit.groups, async_op=False)
+            self.all_gather.wait(unit.groups)
+            self._prefetch(unit, step=-1)
+
+    def _prefetch(self, unit: FSDPUnit, *, step: int) -> None:
+        if not self.prefetch_depth or unit not in self.forward_order:
+            return
+        position = self.forward_order.index(unit)
+        for distance in range(1, self.prefetch_depth + 1):
+            target = position + step * distance
+            if not 0 <= target < len(self.forward_order):
+                break
+            self.all_gather.unshard(self.forward_order[target].groups, async_op=True)
+
+    # -- gradients --------------------------------------------------------------------
+    def on_grad(self, group: ParameterGroup, index: int, param: torch.Tensor) -> None:
+        if self.grad_reduce.accumulate(group, index, param):
+            self._group_complete(group)
+
+    def _group_complete(self, group: ParameterGroup) -> None:
+        if self.grad_reduce.options.strategy.shards_grads or self.sync_enabled():
+            self.grad_reduce.reduce(group)
+        # Every use of these weights has produced its gradient: they are free to go.
+        self.all_gather.reshard([group])
+
+    def _post_backward_final(self) -> None:
+        with record_function("megatron_fsdp::post_backward_final"):
+            for group in self.buffer.grad_groups:
+                if not self.grad_reduce.is_complete(group) and (
+                    self.grad_reduce.options.strategy.shards_grads or self.sync_enabled()
+                ):
+                    # Unused parameters: every rank must still take part.
+                    self.grad_reduce.reduce(group)
+            self.all_gather.reshard(self.buffer.groups)
+            for unit in self.units:
+                unit.state = TrainingState.IDLE
+            self.grad_reduce.end_backward()
+            self._backward_queued = False
+            self.on_backward_end()

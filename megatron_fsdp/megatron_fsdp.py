@@ -1,0 +1,315 @@
+"""``MegatronFSDP``: the wrapper module that shards a model and runs its step."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+from collections import OrderedDict
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+from . import device as device_mod
+from .all_gather_pipeline import AllGatherPipeline
+from .config import DistributedDataParallelConfig
+from .distributed_index import FSDPDistributedIndex, build_default_mesh
+from .enums import ShardingStrategy
+from .grad_reduce_pipeline import GradReducePipeline, GradReduceOptions
+from .hooks import FSDPUnit, HookRuntime
+from .mixed_precision import MixedPrecisionPolicy
+from .param_and_grad_buffer import ParamAndGradBuffer
+
+logger = logging.getLogger(__name__)
+
+# Distributed parameter -> the MegatronFSDP that owns it (fully_shard_optimizer's lookup).
+_OWNERS = WeakIdKeyDictionary()
+
+
+def owner_of(param: torch.Tensor) -> Optional["MegatronFSDP"]:
+    return _OWNERS.get(param)
+
+
+def resolve_unit_classes(entries: Optional[Sequence[Any]]) -> tuple[type, ...]:
+    """``fsdp_unit_modules`` entries are module classes or import paths of them."""
+    classes = []
+    for entry in entries or ():
+        cls = entry
+        if isinstance(entry, str):
+            module_path, _, attr = entry.rpartition(".")
+            try:
+                cls = getattr(importlib.import_module(module_path), attr) if module_path else None
+            except (ImportError, AttributeError):
+                cls = None
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+            raise ValueError(
+                f"fsdp_unit_modules entry {entry!r} is neither an nn.Module subclass nor an importable "
+                "path to one (e.g. 'torch.nn.TransformerEncoderLayer')"
+            )
+        classes.append(cls)
+    return tuple(classes)
+
+
+class MegatronFSDP(nn.Module):
+    """Fully sharded data parallel wrapper in the Megatron style.
+
+    ``parameters()`` / ``named_parameters()`` / ``state_dict()`` expose the
+    *distributed* parameters (sharded main weights, DTensors when sharded), which
+    is what the optimizer updates; ``self.module`` keeps its compute parameters.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        dist_index: Optional[FSDPDistributedIndex] = None,
+        ddp_config: Optional[DistributedDataParallelConfig] = None,
+        mixed_precision_policy: Optional[MixedPrecisionPolicy] = None,
+        fsdp_unit_modules: Optional[Sequence[Any]] = None,
+        disable_bucketing: bool = False,
+        device: Optional[torch.device] = None,
+        calculate_per_token_loss: bool = False,
+        init_model_with_meta_device: bool = False,
+        sync_model_each_microbatch: bool = True,
+        enable_fine_grained_param_gather_hook: bool = False,
+        report_nan_in_param_grad: bool = False,
+    ) -> None:
+        super().__init__()
+        self.ddp_config = ddp_config or DistributedDataParallelConfig()
+        self.strategy: ShardingStrategy = self.ddp_config.sharding_strategy
+        self.mp_policy = mixed_precision_policy or self.ddp_config.mixed_precision_policy()
+        self.device = device_mod.resolve_device(device)
+        self.dist_index = dist_index or FSDPDistributedIndex(
+            build_default_mesh(device_mod.mesh_device_type(self.device)), dp_shard_dim="fsdp", tp_dim="tp"
+        )
+        self.calculate_per_token_loss = calculate_per_token_loss
+        self.report_nan_in_param_grad = report_nan_in_param_grad
+        self._check_supported(init_model_with_meta_device, enable_fine_grained_param_gather_hook)
+        _check_module(module, self.device)
+        self.module = module
+
+        units = self._find_units(module, resolve_unit_classes(fsdp_unit_modules))
+        self.param_and_grad_buffer = ParamAndGradBuffer(
+            module,
+            unit_modules=[m for _, m in units],
+            strategy=self.strategy,
+            policy=self.mp_policy,
+            dist_index=self.dist_index,
+            device=self.device,
+            disable_bucketing=disable_bucketing,
+        )
+        buffer = self.param_and_grad_buffer
+        self.all_gather_pipeline = AllGatherPipeline(self.dist_index.dp_shard_group)
+        self.grad_reduce_pipeline = GradReducePipeline(
+            buffer.groups,
+            shard_group=self.dist_index.dp_shard_group,
+            policy=self.mp_policy,
+            options=self._grad_options(),
+            allocator=buffer.allocator,
+        )
+        self.units = [
+            FSDPUnit(index=i, name=name, module=m, groups=buffer.groups_of_unit(i)) for i, (name, m) in enumerate(units)
+        ]
+        self._auto_sync = sync_model_each_microbatch
+        self._no_sync_depth = 0
+        self._force_sync_depth = 0
+        self._runtime = HookRuntime(
+            buffer=buffer,
+            units=self.units,
+            all_gather=self.all_gather_pipeline,
+            grad_reduce=self.grad_reduce_pipeline,
+            overlap_param_gather=self.ddp_config.overlap_param_gather,
+            prefetch_depth=self.ddp_config.prefetch_depth,
+            sync_enabled=self._sync_enabled,
+            on_backward_end=self._on_backward_end,
+        )
+        self._runtime.register()
+        for _, dist_param in buffer.named_dist_params():
+            _OWNERS[dist_param] = self
+
+    # -- construction helpers -----------------------------------------------------
+    def _check_supported(self, meta_init: bool, fine_grained: bool) -> None:
+        cfg = self.ddp_config
+        unsupported = {
+            "init_model_with_meta_device=True (meta-device initialization)": meta_init,
+            "enable_fine_grained_param_gather=True (per-module gathering)": fine_grained,
+            "fsdp_double_buffer=True (fixed double-buffer allocator)": cfg.fsdp_double_buffer,
+            "nccl_ub=True (NCCL user-buffer registration)": cfg.nccl_ub,
+            "keep_fp8_transpose_cache=True (TransformerEngine FP8 parameters)": cfg.keep_fp8_transpose_cache,
+            "fp8_param_gather=True (TransformerEngine FP8 parameters)": cfg.fp8_param_gather,
+            "a dp_outer group larger than 1 (HSDP/HFSDP)": self.dist_index.outer_size > 1,
+        }
+        for feature, requested in unsupported.items():
+            if requested:
+                raise NotImplementedError(f"{feature} is not implemented in this version of megatron_fsdp")
+
+    def _find_units(self, module: nn.Module, classes: tuple[type, ...]) -> list[tuple[str, nn.Module]]:
+        if classes:
+            units = [(name or "<root>", m) for name, m in module.named_modules() if isinstance(m, classes)]
+            if not units:
+                raise ValueError(
+                    f"no module of the model is an instance of fsdp_unit_modules={[c.__name__ for c in classes]}; "
+                    "name classes the model actually uses"
+                )
+            return units
+        if self.strategy is ShardingStrategy.NO_SHARD:
+            return []
+        logger.info(
+            "megatron_fsdp: no fsdp_unit_modules given; the whole %s is one FSDP unit", type(module).__name__
+        )
+        return [("<root>", module)]
+
+    def _grad_options(self) -> GradReduceOptions:
+        cfg = self.ddp_config
+        per_token = self.calculate_per_token_loss
+        return GradReduceOptions(
+            strategy=self.strategy,
+            scaling_factor=1.0 if per_token else 1.0 / self.dist_index.dp_size,
+            average_in_collective=cfg.average_in_collective and not per_token,
+            overlap=cfg.overlap_grad_reduce,
+            check_for_nan=cfg.check_for_nan_in_grad,
+        )
+
+    # -- forward ------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._runtime.root_pre_forward()
+        output = self.module(*args, **kwargs)
+        return self._runtime.root_post_forward(output)
+
+    # -- gradient synchronisation --------------------------------------------------
+    def _sync_enabled(self) -> bool:
+        return self._force_sync_depth > 0 or (self._auto_sync and self._no_sync_depth == 0)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally (ZeRO-0/1); ZeRO-2/3 still reduce-scatter
+        every microbatch, since they hold no unsharded gradient between passes."""
+        self._no_sync_depth += 1
+        try:
+            yield
+        finally:
+            self._no_sync_depth -= 1
+
+    @contextlib.contextmanager
+    def sync(self) -> Iterator[None]:
+        """Force gradient synchronisation at the end of the enclosed backward."""
+        self._force_sync_depth += 1
+        try:
+            yield
+        finally:
+            self._force_sync_depth -= 1
+
+    def set_model_auto_sync(self, sync_model: bool = True) -> None:
+        self._auto_sync = sync_model
+
+    @property
+    def model_auto_sync(self) -> bool:
+        return self._auto_sync
+
+    def _on_backward_end(self) -> None:
+        if self._sync_enabled():
+            self.finish_grad_sync()
+
+    def start_grad_sync(self, *unused: Any) -> None:
+        self.grad_reduce_pipeline.start_all()
+
+    def finish_grad_sync(self) -> None:
+        """Reduce what is left, wait for every collective, hand gradients to the optimizer."""
+        self.start_grad_sync()
+        self.grad_reduce_pipeline.wait_all()
+        self.param_and_grad_buffer.attach_grads()
+        if self.report_nan_in_param_grad:
+            self._report_nan_in_grads()
+
+    def zero_grad_buffer(self) -> None:
+        self.grad_reduce_pipeline.zero()
+
+    @torch.no_grad()
+    def scale_gradients(self, scaling_factor: float) -> None:
+        self.grad_reduce_pipeline.wait_all()
+        for group in self.param_and_grad_buffer.grad_groups:
+            group.main_grads.data.mul_(scaling_factor)
+
+    def _report_nan_in_grads(self) -> list[str]:
+        bad = []
+        for name, dist_param in self.param_and_grad_buffer.named_dist_params():
+            grad = dist_param.grad
+            if grad is None:
+                continue
+            local = grad.to_local() if hasattr(grad, "to_local") else grad
+            if not bool(torch.isfinite(local).all()):
+                bad.append(name)
+        if bad:
+            logger.error("rank %d: NaN/Inf in the reduced gradient of %s", dist.get_rank(), ", ".join(bad))
+        return bad
+
+    # -- parameters ---------------------------------------------------------------
+    def install_optimized_model_weights(self) -> None:
+        """Copy the optimizer's main weights into the model weights used for compute."""
+        self.param_and_grad_buffer.copy_main_to_model_weights()
+        if self.strategy in (ShardingStrategy.OPTIM, ShardingStrategy.OPTIM_GRADS):
+            self.all_gather_pipeline.mark_stale(self.param_and_grad_buffer.groups)
+            self.start_param_sync()
+
+    def start_param_sync(self, *unused: Any, force_sync: bool = False) -> None:
+        """Refresh replicated model weights after a ZeRO-1/2 step (async with overlap)."""
+        groups = self.param_and_grad_buffer.groups
+        async_op = self.ddp_config.overlap_param_gather and not force_sync
+        self.all_gather_pipeline.unshard([g for g in groups if not g.model_weights.is_distributed], async_op=async_op)
+
+    def finish_param_sync(self) -> None:
+        self.all_gather_pipeline.wait_all()
+
+    @torch.no_grad()
+    def broadcast_params(self) -> None:
+        """Make replicated state equal to data-parallel rank 0's."""
+        from . import collectives
+
+        group = self.dist_index.dp_shard_group
+        self.all_gather_pipeline.wait_all()
+        for g in self.param_and_grad_buffer.groups:
+            for buf in (g.model_weights, g.main_weights):
+                if buf is not None and not buf.is_distributed:
+                    collectives.broadcast(buf.data, 0, group, label=g.label)
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """The distributed parameters, named as in the wrapped module (no ``module.`` prefix)."""
+        for name, param in self.param_and_grad_buffer.named_dist_params():
+            yield prefix + name, param
+
+    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> dict:
+        """Main weights (DTensors where sharded) and buffers, keyed like the wrapped module."""
+        out = OrderedDict() if destination is None else destination
+        for name, param in self.named_parameters():
+            out[prefix + name] = param if keep_vars else param.detach()
+        for name, buf in self.module.named_buffers():
+            owner_name, _, attr = name.rpartition(".")
+            owner = self.module.get_submodule(owner_name) if owner_name else self.module
+            if attr not in owner._non_persistent_buffers_set:
+                out[prefix + name] = buf if keep_vars else buf.detach()
+        return out
+
+    @property
+    def buffer_accounting(self):
+        return self.param_and_grad_buffer.accounting
+
+
+def _check_module(module: nn.Module, device: torch.device) -> None:
+    params = list(module.named_parameters())
+    if not params:
+        raise ValueError(f"{type(module).__name__} has no parameters; there is nothing for megatron_fsdp to shard")
+    for name, p in params:
+        if p.device != device:
+            raise ValueError(
+                f"parameter {name!r} is on {p.device} but megatron_fsdp was given device={device}; "
+                f"move the model first (module.to({str(device)!r})) or pass device={str(p.device)!r}"
+            )
+        if isinstance(p, torch.distributed.tensor.DTensor):
+            raise ValueError(
+                f"parameter {name!r} is already a DTensor; the model seems to be sharded already "
+                "(megatron_fsdp cannot wrap a module inside another FSDP wrapper)"
+            )
