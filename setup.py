@@ -1,0 +1,21 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron_fsdp",
+    version="0.1.0",
+    description="Fully sharded data parallelism in the Megatron style, on CPU (gloo) and CUDA (NCCL)",
+    long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["megatron_fsdp", "megatron_fsdp.*"]),
+    python_requires=">=3.10",
+    install_requires=["torch>=2.6"],
+    extras_require={
+        "test": ["pytest>=7", "pyyaml", "matplotlib"],
+        "scripts": ["pyyaml", "matplotlib"],
+        # Megatron-core is optional: FullyShardedDataParallel accepts its configs and
+        # GPT model. Install it without dependencies on CPU machines (see README).
+        "megatron": ["megatron-core>=0.16"],
+        # TransformerEngine FP8 parameters (CUDA only).
+        "te": ["transformer-engine"],
+    },
+)

@@ -1,0 +1,114 @@
+"""Small models and a single-process reference trainer shared by the tests."""
+
+from __future__ import annotations
+
+import copy
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+IN, OUT, VOCAB = 5, 3, 11
+
+
+class Block(nn.Module):
+    """Residual MLP block; sizes chosen so nothing divides evenly by 2 or 4."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 2 * d + 1)
+        self.fc2 = nn.Linear(2 * d + 1, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.tanh(self.fc1(self.norm(x))))
+
+
+class Net(nn.Module):
+    def __init__(self, d: int = 7, depth: int = 3, recompute: bool = False) -> None:
+        super().__init__()
+        self.inp = nn.Linear(IN, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(depth))
+        self.out = nn.Linear(d, OUT)
+        self.recompute = recompute
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = checkpoint(block, h, use_reentrant=False) if self.recompute else block(h)
+        return self.out(h)
+
+
+class TiedNet(nn.Module):
+    """Token model whose output head shares the embedding matrix (two units use it)."""
+
+    def __init__(self, d: int = 7, depth: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(depth))
+        self.head = nn.Linear(d, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def make_model(kind: str, seed: int = 0, **kwargs) -> nn.Module:
+    torch.manual_seed(seed)
+    if kind == "net":
+        return Net(**kwargs)
+    if kind == "tied":
+        return TiedNet(**kwargs)
+    raise ValueError(kind)
+
+
+def make_batches(kind: str, steps: int, batch: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    if kind == "tied":
+        return [
+            (torch.randint(0, VOCAB, (batch, 3), generator=g), torch.randint(0, VOCAB, (batch, 3), generator=g))
+            for _ in range(steps)
+        ]
+    return [(torch.randn(batch, IN, generator=g), torch.randn(batch, OUT, generator=g)) for _ in range(steps)]
+
+
+def loss_fn(kind: str, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    if kind == "tied":
+        return F.cross_entropy(output.reshape(-1, VOCAB), target.reshape(-1))
+    return F.mse_loss(output, target)
+
+
+def make_optimizer(name: str) -> Callable:
+    if name == "sgd":
+        return lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.0)
+    if name == "sgd_momentum":
+        return lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=0.01)
+    if name == "adamw":
+        # eps=1e-4: Adam amplifies reduction-order noise in near-zero gradients.
+        return lambda params: torch.optim.AdamW(params, lr=0.01, eps=1e-4, weight_decay=0.1)
+    raise ValueError(name)
+
+
+def train_reference(
+    model: nn.Module, kind: str, batches, optimizer: str, freeze: Optional[Callable[[nn.Module], None]] = None
+) -> nn.Module:
+    """Single-process training on the whole global batch."""
+    model = copy.deepcopy(model)
+    if freeze:
+        freeze(model)
+    opt = make_optimizer(optimizer)(model.parameters())
+    for x, y in batches:
+        opt.zero_grad()
+        loss_fn(kind, model(x), y).backward()
+        opt.step()
+    return model
+
+
+def max_param_diff(full_state: dict, reference: nn.Module) -> float:
+    diffs = [(full_state[name] - p.detach()).abs().max().item() for name, p in reference.named_parameters()]
+    return max(diffs)

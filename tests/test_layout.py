@@ -1,0 +1,99 @@
+"""Pure index math: no process group."""
+
+import pytest
+
+from megatron_fsdp.layout import BucketLayout, ShardOverlap
+from megatron_fsdp.enums import ShardingStrategy
+from megatron_fsdp.mixed_precision import MixedPrecisionPolicy, parse_dtype
+import torch
+
+
+def test_padding_and_shards():
+    layout = BucketLayout((10, 5, 3), world_size=4)
+    assert layout.numel == 18
+    assert layout.shard_numel == 5
+    assert layout.padded_numel == 20
+    assert [layout.shard_range(r) for r in range(4)] == [(0, 5), (5, 10), (10, 15), (15, 20)]
+    assert layout.item_offsets == (0, 10, 15)
+
+
+def test_overlaps_cover_every_item_exactly_once():
+    for sizes in [(10, 5, 3), (1,), (7, 0, 13, 2), (4, 4)]:
+        for world in (1, 2, 3, 4, 8):
+            layout = BucketLayout(sizes, world)
+            for i, n in enumerate(sizes):
+                covered = []
+                for r in range(world):
+                    ov = layout.overlap(i, r)
+                    if ov is None:
+                        continue
+                    start, _ = layout.shard_range(r)
+                    # the overlap is inside the shard and inside the item
+                    assert 0 <= ov.shard_start and ov.shard_start + ov.numel <= layout.shard_numel
+                    assert layout.item_range(i)[0] + ov.item_start == start + ov.shard_start
+                    covered.extend(range(ov.item_start, ov.item_start + ov.numel))
+                assert covered == list(range(n)), (sizes, world, i)
+
+
+def test_uneven_and_absent_items():
+    layout = BucketLayout((10, 5, 3), world_size=4)
+    assert layout.overlap(0, 1) == ShardOverlap(item_start=5, shard_start=0, numel=5)
+    assert layout.overlap(0, 2) is None
+    assert layout.overlap(2, 3) == ShardOverlap(item_start=0, shard_start=0, numel=3)
+    assert layout.owners(1) == [2]
+
+
+def test_bad_rank_and_sizes():
+    with pytest.raises(ValueError, match="rank=4"):
+        BucketLayout((3,), 4).shard_range(4)
+    with pytest.raises(ValueError, match="world_size"):
+        BucketLayout((3,), 0)
+    with pytest.raises(ValueError, match="non-negative"):
+        BucketLayout((-1,), 2)
+
+
+def test_empty_layout():
+    layout = BucketLayout((), 4)
+    assert layout.padded_numel == 0 and layout.shard_numel == 0
+
+
+@pytest.mark.parametrize(
+    "value,expected",
+    [(0, 0), (3, 3), ("no_shard", 0), ("optim", 1), ("optim_grads", 2), ("OPTIM_GRADS_PARAMS", 3), ("2", 2),
+     (ShardingStrategy.OPTIM, 1)],
+)
+def test_strategy_parse(value, expected):
+    assert ShardingStrategy.parse(value) == expected
+
+
+@pytest.mark.parametrize("value", [4, -1, "zero4", "", None, True, 1.0])
+def test_strategy_parse_rejects(value):
+    with pytest.raises(ValueError, match="no_shard.*optim_grads_params"):
+        ShardingStrategy.parse(value)
+
+
+def test_strategy_properties():
+    s = ShardingStrategy
+    assert [x.shards_optimizer for x in s] == [False, True, True, True]
+    assert [x.shards_grads for x in s] == [False, False, True, True]
+    assert [x.shards_params for x in s] == [False, False, False, True]
+
+
+def test_dtype_parsing():
+    assert parse_dtype("bf16", arg_name="x") is torch.bfloat16
+    assert parse_dtype("fp32", arg_name="x") is torch.float32
+    assert parse_dtype("auto", arg_name="x") is None
+    for bad in ["fp8", "bf61", torch.int32, 3]:
+        with pytest.raises(ValueError, match="x="):
+            parse_dtype(bad, arg_name="x")
+
+
+def test_policy_defaults_and_validation():
+    p = MixedPrecisionPolicy()
+    assert p.main_params_dtype is torch.float32 and p.main_grads_dtype is None and p.grad_comm_dtype is None
+    assert p.grads_dtype_for(torch.bfloat16) is torch.bfloat16
+    assert MixedPrecisionPolicy(main_grads_dtype="fp32").comm_dtype_for(torch.bfloat16) is torch.float32
+    with pytest.raises(ValueError, match="grad_comm_dtype"):
+        MixedPrecisionPolicy(grad_comm_dtype="fp8")
+    with pytest.raises(TypeError):
+        MixedPrecisionPolicy(torch.float32)  # keyword-only
