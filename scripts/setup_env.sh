@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Installs everything megatron_fsdp, its scripts and its tests need, on a fresh
+# machine with Python >= 3.10. Never lets pip pull a CUDA build of torch: torch is
+# pinned first, and packages that depend on torch are installed with --no-deps.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+
+if ! "$PY" -c "import torch" 2>/dev/null; then
+  "$PY" -m pip install -q "$TORCH_SPEC"
+fi
+"$PY" -m pip install -q --no-deps -e .
+"$PY" -m pip install -q "pytest>=7" pyyaml matplotlib
+if [ -f scripts/setup_megatron_core.sh ]; then
+  bash scripts/setup_megatron_core.sh
+fi
