@@ -7,7 +7,8 @@ from .enums import BucketStatus, ShardingStrategy, TrainingState
 from .fully_shard import fully_shard, fully_shard_model, fully_shard_optimizer
 from .megatron_fsdp import MegatronFSDP
 from .mixed_precision import MixedPrecisionPolicy
-from .state_dict import get_full_state_dict
+from .checkpoint import load_checkpoint, save_checkpoint
+from .state_dict import StateDictMismatchError, get_full_state_dict, load_full_state_dict, save_full_state_dict
 
 __all__ = [
     "BucketStatus",
@@ -21,7 +22,12 @@ __all__ = [
     "fully_shard",
     "fully_shard_model",
     "fully_shard_optimizer",
+    "StateDictMismatchError",
     "get_full_state_dict",
+    "load_checkpoint",
+    "load_full_state_dict",
+    "save_checkpoint",
+    "save_full_state_dict",
     "record_collectives",
 ]
 

@@ -156,7 +156,10 @@ def fully_shard_optimizer(
     optimizer.step = step
     optimizer.zero_grad = zero_grad
     optimizer.megatron_fsdp_models = models
-    optimizer.preproc_state_dict_for_dcp_ckpt = preproc_state_dict_for_dcp_ckpt
+    if preproc_state_dict_for_dcp_ckpt:
+        from .checkpoint import preprocess_optimizer_state_dict
+
+        optimizer.register_state_dict_post_hook(preprocess_optimizer_state_dict)
     return optimizer
 
 

@@ -82,3 +82,71 @@ class BucketLayout:
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank={rank} is outside the group of size {self.world_size}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Box:
+    """A rectangular block of an N-d tensor that is contiguous in its flat order."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    flat_start: int
+    """Where the box starts inside the flat range it was cut from."""
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.sizes:
+            n *= s
+        return n
+
+
+def flat_range_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[Box]:
+    """Split the row-major flat range ``[start, stop)`` of a tensor of ``shape``
+    into rectangular boxes, in flat order.
+
+    Checkpoint formats address shards by global offsets and sizes (rectangles),
+    while our shards are flat ranges that may begin or end mid-row. A flat range
+    is at most: a partial leading slice, a block of whole slices, a partial
+    trailing slice — recursively, so at most ``2 * ndim - 1`` boxes.
+    """
+    shape = tuple(shape)
+    if not 0 <= start <= stop <= _prod(shape):
+        raise ValueError(f"flat range [{start}, {stop}) is outside a tensor of shape {shape}")
+    boxes: list[Box] = []
+    _split(shape, start, stop, (), 0, boxes)
+    return boxes
+
+
+def _prod(dims: tuple[int, ...]) -> int:
+    n = 1
+    for d in dims:
+        n *= d
+    return n
+
+
+def _split(shape: tuple[int, ...], start: int, stop: int, prefix: tuple[int, ...], base: int, out: list[Box]) -> None:
+    """Boxes of ``[start, stop)`` inside the slice ``prefix`` (whose remaining dims are
+    ``shape``); a box's size along every prefix dim is 1."""
+    if start >= stop:
+        return
+    ones = (1,) * len(prefix)
+    if not shape:  # a single element
+        out.append(Box(prefix, ones, base))
+        return
+    inner = _prod(shape[1:])
+    rest = len(shape) - 1
+    first = start // inner
+    if first == (stop - 1) // inner:  # inside one slice along this dim
+        _split(shape[1:], start - first * inner, stop - first * inner, prefix + (first,), base, out)
+        return
+    whole_from = -(-start // inner)  # first slice that starts inside the range
+    whole_to = stop // inner  # one past the last slice that ends inside the range
+    if start % inner:
+        _split(shape[1:], start % inner, inner, prefix + (first,), base, out)
+    if whole_to > whole_from:
+        offsets = prefix + (whole_from,) + (0,) * rest
+        sizes = ones + (whole_to - whole_from,) + shape[1:]
+        out.append(Box(offsets, sizes, base + whole_from * inner - start))
+    if stop % inner:
+        _split(shape[1:], 0, stop % inner, prefix + (whole_to,), base + whole_to * inner - start, out)

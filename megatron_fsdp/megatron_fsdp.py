@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
-from collections import OrderedDict
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
@@ -14,6 +13,7 @@ import torch.nn as nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import device as device_mod
+from . import state_dict as state_dict_mod
 from .all_gather_pipeline import AllGatherPipeline
 from .config import DistributedDataParallelConfig
 from .distributed_index import FSDPDistributedIndex, build_default_mesh
@@ -282,16 +282,19 @@ class MegatronFSDP(nn.Module):
             yield prefix + name, param
 
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> dict:
-        """Main weights (DTensors where sharded) and buffers, keyed like the wrapped module."""
-        out = OrderedDict() if destination is None else destination
-        for name, param in self.named_parameters():
-            out[prefix + name] = param if keep_vars else param.detach()
-        for name, buf in self.module.named_buffers():
-            owner_name, _, attr = name.rpartition(".")
-            owner = self.module.get_submodule(owner_name) if owner_name else self.module
-            if attr not in owner._non_persistent_buffers_set:
-                out[prefix + name] = buf if keep_vars else buf.detach()
+        """Main weights (DTensors where sharded, ready for torch.distributed.checkpoint)
+        and persistent buffers, keyed like the wrapped module (no ``module.`` prefix)."""
+        out = state_dict_mod.sharded_state_dict(self, prefix=prefix, keep_vars=keep_vars)
+        if destination is not None:
+            destination.update(out)
+            return destination
         return out
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False):
+        """Load DTensors of this model's sharding (as DCP fills them) or full tensors."""
+        if assign:
+            raise ValueError("load_state_dict(assign=True) would replace the sharded buffers; use assign=False")
+        return state_dict_mod.load_sharded_state_dict(self, state_dict, strict=strict)
 
     @property
     def buffer_accounting(self):

@@ -225,6 +225,14 @@ class ParamAndGradBuffer:
             group, index = self._slot[p]
             yield self.param_names[p], group.dist_params[index]
 
+    def local_flat_start(self, dist_param: torch.Tensor) -> int:
+        """Where this rank's part of a distributed parameter starts in the parameter's flat order."""
+        group, index = self._dist_slot[dist_param]
+        if not self.strategy.shards_optimizer:
+            return 0
+        overlap = group.layout.overlap(index, group.main_weight_source.rank)
+        return 0 if overlap is None else overlap.item_start
+
     @property
     def grad_groups(self) -> list[ParameterGroup]:
         return [g for g in self.groups if g.requires_grad]

@@ -97,3 +97,37 @@ def test_policy_defaults_and_validation():
         MixedPrecisionPolicy(grad_comm_dtype="fp8")
     with pytest.raises(TypeError):
         MixedPrecisionPolicy(torch.float32)  # keyword-only
+
+
+def test_flat_range_boxes_tile_the_range_exactly():
+    import random
+
+    from megatron_fsdp.layout import flat_range_boxes
+
+    rng = random.Random(0)
+    for _ in range(300):
+        shape = tuple(rng.randint(1, 5) for _ in range(rng.randint(0, 4)))
+        total = 1
+        for d in shape:
+            total *= d
+        start = rng.randint(0, total)
+        stop = rng.randint(start, total)
+        flat = torch.arange(total).reshape(shape) if shape else torch.tensor(0)
+        pieces = []
+        expected_start = 0
+        boxes = flat_range_boxes(shape, start, stop)
+        assert len(boxes) <= max(1, 2 * len(shape) - 1)
+        for box in boxes:
+            assert box.flat_start == expected_start
+            index = tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))
+            pieces.append(flat[index].reshape(-1))
+            expected_start += box.numel
+        got = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.long)
+        assert torch.equal(got, torch.arange(start, stop)), (shape, start, stop, boxes)
+
+
+def test_flat_range_boxes_rejects_out_of_range():
+    from megatron_fsdp.layout import flat_range_boxes
+
+    with pytest.raises(ValueError, match="outside"):
+        flat_range_boxes((2, 3), 4, 7)
