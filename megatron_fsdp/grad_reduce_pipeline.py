@@ -146,15 +146,19 @@ class GradReducePipeline:
         async_op = self.options.overlap if async_op is None else async_op
         strategy, main = self.options.strategy, group.main_grads
         comm_dtype = self._comm_dtype(group)
+        temps: list[torch.Tensor] = []  # allocated here, released once the collective is done
 
         if strategy.shards_grads:
             source = state.bucket
             if source is None:  # no gradient reached this group, but every rank must join
                 source = self.allocator.new(group.layout.padded_numel, comm_dtype, main.device, zero=True)
             state.bucket = None
+            temps.append(source)
         elif comm_dtype != main.dtype:
+            # A wire-dtype copy lives only for the collective (no second persistent buffer).
             source = self.allocator.new(group.layout.padded_numel, comm_dtype, main.device)
             source.copy_(main.data)
+            temps.append(source)
         else:
             source = main.data
 
@@ -165,45 +169,59 @@ class GradReducePipeline:
             source.mul_(self.options.scaling_factor)
 
         if strategy is ShardingStrategy.NO_SHARD:
-            work = collectives.all_reduce(source, self.shard_group, op=op, async_op=async_op, label=group.label)
             output = source
+            work = collectives.all_reduce(source, self.shard_group, op=op, async_op=async_op, label=group.label)
         else:
-            output = self.allocator.new(group.layout.shard_numel, comm_dtype, main.device)
+            if source is main.data:
+                # ZeRO-1 without a wire dtype: reduce-scatter in place into this rank's
+                # own region of the source (NCCL and gloo both allow exactly this alias).
+                output = main.shard
+            else:
+                output = self.allocator.new(group.layout.shard_numel, comm_dtype, main.device)
+                temps.append(output)
             work = collectives.reduce_scatter(output, source, self.shard_group, op=op, async_op=async_op, label=group.label)
-        finalize = self._finalizer(group, source, output)
+        finalize = self._finalizer(group, output, temps)
         if async_op:
             self._pending.append(_Pending(group, work, finalize))
         else:
             finalize()
 
-    def _finalizer(self, group: ParameterGroup, source: torch.Tensor, output: torch.Tensor) -> Callable[[], None]:
+    def _finalizer(self, group: ParameterGroup, output: torch.Tensor, temps: list[torch.Tensor]) -> Callable[[], None]:
         main = group.main_grads
+        strategy = self.options.strategy
 
         @torch.no_grad()
         def finalize() -> None:
-            if self.options.strategy.shards_grads:
-                main.data.add_(output)  # type promotion into the main-grad dtype
-            elif output is not main.data:
-                target = main.data if self.options.strategy is ShardingStrategy.NO_SHARD else main.shard
-                target.copy_(output)
-            for temp in (output, source):
-                if temp is not main.data:
-                    self.allocator.release(temp)
+            if strategy.shards_grads:
+                main.data.add_(output)  # accumulate across microbatches, promoting to the main dtype
+            elif strategy is ShardingStrategy.NO_SHARD:
+                if output is not main.data:
+                    main.data.copy_(output)
+            elif output is not main.shard:
+                main.shard.copy_(output)  # copy, never +=: the source already held this gradient
+            for temp in temps:
+                self.allocator.release(temp)
 
         return finalize
 
     def _check_finite(self, group: ParameterGroup, flat: torch.Tensor) -> None:
-        if bool(torch.isfinite(flat).all()):
+        """Raise on every rank of the group when any rank's local gradient holds
+        NaN/Inf, so that no rank is left waiting in the collective."""
+        bad = [
+            name
+            for index, name in enumerate(group.names)
+            if not bool(torch.isfinite(flat[slice(*group.layout.item_range(index))]).all())
+        ]
+        flag = torch.tensor([1.0 if bad else 0.0], device=flat.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.shard_group)
+        if flag.item() == 0:
             return
-        bad = []
-        for index, name in enumerate(group.names):
-            start, end = group.layout.item_range(index)
-            if not bool(torch.isfinite(flat[start:end]).all()):
-                bad.append(name)
-        rank = dist.get_rank()
+        reports: list = [None] * dist.get_world_size(self.shard_group)
+        dist.all_gather_object(reports, (dist.get_rank(), bad), group=self.shard_group)
+        found = "; ".join(f"rank {r}: {', '.join(names)}" for r, names in reports if names)
         raise FloatingPointError(
-            f"rank {rank}: NaN or Inf in the local gradient of {', '.join(bad)} before the gradient "
-            "collective; check the loss and the inputs of this rank (check_for_nan_in_grad=True)"
+            f"NaN or Inf in the local gradient before the gradient collective ({found}); check the loss "
+            "and the inputs of the named rank (found by check_for_nan_in_grad=True)"
         )
 
     # -- step boundaries ---------------------------------------------------------

@@ -85,7 +85,8 @@ class MegatronFSDP(nn.Module):
             build_default_mesh(device_mod.mesh_device_type(self.device)), dp_shard_dim="fsdp", tp_dim="tp"
         )
         self.calculate_per_token_loss = calculate_per_token_loss
-        self.report_nan_in_param_grad = report_nan_in_param_grad
+        self.report_nan_in_param_grads = report_nan_in_param_grad
+        self.last_nan_report: list[str] = []
         self._check_supported(init_model_with_meta_device, enable_fine_grained_param_gather_hook)
         _check_module(module, self.device)
         self.module = module
@@ -220,7 +221,7 @@ class MegatronFSDP(nn.Module):
         self.start_grad_sync()
         self.grad_reduce_pipeline.wait_all()
         self.param_and_grad_buffer.attach_grads()
-        if self.report_nan_in_param_grad:
+        if self.report_nan_in_param_grads:
             self._report_nan_in_grads()
 
     def zero_grad_buffer(self) -> None:
@@ -231,6 +232,10 @@ class MegatronFSDP(nn.Module):
         self.grad_reduce_pipeline.wait_all()
         for group in self.param_and_grad_buffer.grad_groups:
             group.main_grads.data.mul_(scaling_factor)
+
+    def report_nan_in_param_grad(self) -> list[str]:
+        """Names of parameters whose reduced gradient holds NaN/Inf on this rank (logged)."""
+        return self._report_nan_in_grads()
 
     def _report_nan_in_grads(self) -> list[str]:
         bad = []
@@ -243,7 +248,32 @@ class MegatronFSDP(nn.Module):
                 bad.append(name)
         if bad:
             logger.error("rank %d: NaN/Inf in the reduced gradient of %s", dist.get_rank(), ", ".join(bad))
+        self.last_nan_report = bad
         return bad
+
+    # -- mixed precision ---------------------------------------------------------------
+    def reset_mixed_precision_policy(self, policy: MixedPrecisionPolicy) -> None:
+        """Switch ``grad_comm_dtype`` between steps. The main dtypes size persistent
+        buffers, so they are fixed at construction."""
+        for field in ("main_params_dtype", "main_grads_dtype"):
+            if getattr(policy, field) != getattr(self.mp_policy, field):
+                raise ValueError(
+                    f"{field} cannot change after construction ({getattr(self.mp_policy, field)} -> "
+                    f"{getattr(policy, field)}); only grad_comm_dtype can. Re-wrap the model to change it."
+                )
+        self.grad_reduce_pipeline.wait_all()  # collectives in flight finish in their own dtype
+        self.mp_policy = policy
+        self.grad_reduce_pipeline.policy = policy
+
+    @contextlib.contextmanager
+    def mixed_precision_context(self, policy: MixedPrecisionPolicy) -> Iterator[None]:
+        """Use ``policy`` (a different ``grad_comm_dtype``) inside the block."""
+        previous = self.mp_policy
+        self.reset_mixed_precision_policy(policy)
+        try:
+            yield
+        finally:
+            self.reset_mixed_precision_policy(previous)
 
     # -- parameters ---------------------------------------------------------------
     def install_optimized_model_weights(self) -> None:
