@@ -1,0 +1,107 @@
+"""Megatron-LM's checkpoint layout on top of ``megatron_fsdp.checkpoint``:
+``<save>/iter_0000010/`` per saved iteration plus the tracker file
+``latest_checkpointed_iteration.txt`` naming the newest complete one.
+
+[Note: checkpoint atomicity] ``save_checkpoint`` writes a temporary directory and
+renames it once every rank is done, so an ``iter_*`` directory is always complete.
+The tracker is written by rank 0 only after a barrier (every rank has returned
+from the save), to a temporary file that ``os.replace`` swaps in atomically: a
+crash at any point leaves the previous tracker naming a complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+
+
+def checkpoint_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def read_tracker(root: str) -> Optional[int]:
+    """The iteration the tracker names, or None when there is no tracker."""
+    path = os.path.join(root, TRACKER_FILENAME)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        text = f.read().strip()
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{path} holds {text!r}, not an iteration number; fix or delete the file") from None
+
+
+def _write_tracker(root: str, iteration: int) -> None:
+    path = os.path.join(root, TRACKER_FILENAME)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(str(iteration))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _checkpoint_api():
+    try:
+        from megatron_fsdp import checkpoint
+    except ImportError as exc:
+        raise RuntimeError(
+            f"--save/--load need megatron_fsdp.checkpoint (save_checkpoint/load_checkpoint), which this checkout "
+            f"does not provide ({exc}); update megatron_fsdp or run without --save/--load"
+        ) from exc
+    return checkpoint
+
+
+def rng_state() -> dict[str, Any]:
+    return {"python": random.getstate(), "torch": torch.get_rng_state()}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+
+
+def save(root: str, iteration: int, model, optimizer, extra_state: dict) -> str:
+    """Collective: every rank saves its part, then rank 0 moves the tracker."""
+    directory = checkpoint_dir(root, iteration)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0:
+        os.makedirs(root, exist_ok=True)
+    _checkpoint_api().save_checkpoint(directory, model, optimizer, extra_state=extra_state)
+    if dist.is_initialized():
+        dist.barrier()  # every rank finished writing before the tracker names this iteration
+    if rank == 0:
+        _write_tracker(root, iteration)
+    if dist.is_initialized():
+        dist.barrier()
+    logger.info("  successfully saved checkpoint from iteration %7d to %s", iteration, root)
+    return directory
+
+
+def load(root: str, model, optimizer) -> Optional[dict]:
+    """Load the tracker's checkpoint into ``model``/``optimizer`` (None: skip the
+    optimizer) and return its extra state; None when ``root`` has no tracker."""
+    iteration = read_tracker(root)
+    if iteration is None:
+        logger.warning("WARNING: could not find the metadata file %s; will not load any checkpoints and "
+                       "will start from random", os.path.join(root, TRACKER_FILENAME))
+        return None
+    directory = checkpoint_dir(root, iteration)
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(
+            f"{os.path.join(root, TRACKER_FILENAME)} names iteration {iteration} but {directory} does not exist; "
+            "point --load at a complete checkpoint directory or fix the tracker file"
+        )
+    extra = _checkpoint_api().load_checkpoint(directory, model, optimizer)
+    logger.info("  successfully loaded checkpoint from %s [ iteration %d ]", root, iteration)
+    return extra

@@ -1,0 +1,166 @@
+"""What the launcher prints: Megatron-LM's iteration line, per-rank memory, the
+validation box, a FLOP estimate for the throughput column, and the JSON metrics
+file. Only rank 0 logs (through ``logging``); other ranks report errors only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import logging
+import os
+import resource
+import sys
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_fsdp import device as device_mod
+
+logger = logging.getLogger("megatron_fsdp.pretrain")
+
+_MB = 1024 * 1024
+
+
+def setup_logging(rank: int) -> None:
+    """Rank 0 logs INFO to stdout; other ranks only WARNING and above, prefixed by rank."""
+    handler = logging.StreamHandler(sys.stdout if rank == 0 else sys.stderr)
+    prefix = "" if rank == 0 else f"[rank {rank}] "
+    handler.setFormatter(logging.Formatter(prefix + "%(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+
+
+@dataclasses.dataclass(kw_only=True)
+class IntervalStats:
+    """Sums over the current log interval, reset after each iteration line."""
+
+    iterations: int = 0
+    elapsed_s: float = 0.0
+    loss_sum: float = 0.0
+    grad_norm: Optional[float] = None
+    skipped: int = 0
+    nan: int = 0
+
+    def add(self, result, elapsed_s: float) -> None:
+        self.iterations += 1
+        self.elapsed_s += elapsed_s
+        self.loss_sum += result.lm_loss
+        self.grad_norm = result.grad_norm
+        self.skipped += int(result.skipped)
+        self.nan += int(result.nan)
+
+
+def format_iteration_line(*, iteration: int, train_iters: int, consumed_samples: int, stats: IntervalStats,
+                          tflops_per_gpu: float, learning_rate: float, global_batch_size: int,
+                          loss_scale: float) -> str:
+    """Megatron-LM's per-log-interval line (averages over the interval)."""
+    ms = 1000.0 * stats.elapsed_s / max(stats.iterations, 1)
+    loss = stats.loss_sum / max(stats.iterations, 1)
+    line = f" [{datetime.datetime.now().strftime('%Y-%m-%d %H:%M:%S')}]"
+    line += f" iteration {iteration:8d}/{train_iters:8d} |"
+    line += f" consumed samples: {consumed_samples:12d} |"
+    line += f" elapsed time per iteration (ms): {ms:.1f} |"
+    # Three decimals rather than one: CPU runs of tiny models would always read 0.0.
+    line += f" throughput per GPU (TFLOP/s/GPU): {tflops_per_gpu:.3f} |"
+    line += f" learning rate: {learning_rate:.6E} |"
+    line += f" global batch size: {global_batch_size:5d} |"
+    line += f" lm loss: {loss:.6E} |"
+    line += f" loss scale: {loss_scale:.1f} |"
+    if stats.grad_norm is not None:
+        line += f" grad norm: {stats.grad_norm:.3f} |"
+    line += f" number of skipped iterations: {stats.skipped:3d} |"
+    line += f" number of nan iterations: {stats.nan:3d} |"
+    return line
+
+
+def flops_per_iteration(args, num_parameters: int) -> float:
+    """Training FLOPs of one global batch: 6 per parameter per token (forward and
+    backward matmuls) plus the attention score/value products, 12*L*h*s per token;
+    activation recomputation repeats the forward (+1/3)."""
+    tokens = args.global_batch_size * args.seq_length
+    attention = 12 * args.num_layers * args.hidden_size * args.seq_length
+    flops = tokens * (6 * num_parameters + attention)
+    return flops * (4 / 3 if args.recompute_activations else 1.0)
+
+
+# -- memory -----------------------------------------------------------------------
+def _rss_bytes() -> tuple[int, int]:
+    """(current, peak) resident set size of this process, from /proc (Linux) or getrusage."""
+    fields = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in ("VmRSS", "VmHWM"):
+                    fields[key] = int(value.split()[0]) * 1024  # reported in kB
+    except OSError:
+        pass
+    peak = fields.get("VmHWM", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    return fields.get("VmRSS", peak), peak
+
+
+def memory_snapshot(model, device: torch.device) -> dict:
+    rss, max_rss = _rss_bytes()
+    snap = {"rss": rss, "max_rss": max_rss,
+            "allocated": device_mod.memory_allocated(device), "max_allocated": device_mod.max_memory_allocated(device)}
+    accounting = getattr(model, "buffer_accounting", None)
+    if accounting is not None:
+        snap["persistent"] = dict(accounting.persistent)
+        snap["temporary"] = accounting.temporary
+        snap["peak_temporary"] = accounting.peak_temporary
+    return snap
+
+
+def log_memory(model, device: torch.device, iteration: int) -> list[dict]:
+    """Gather every rank's memory to rank 0 and log one line per rank (collective)."""
+    snap = memory_snapshot(model, device)
+    snaps = [snap]
+    if dist.is_initialized():
+        snaps = [None] * dist.get_world_size()
+        dist.all_gather_object(snaps, snap)
+    for rank, s in enumerate(snaps):
+        line = f"[Rank {rank}] (after {iteration} iterations) memory (MB) | rss: {s['rss'] / _MB:.1f} | " \
+               f"max rss: {s['max_rss'] / _MB:.1f}"
+        if device.type == "cuda":
+            line += f" | allocated: {s['allocated'] / _MB:.1f} | max allocated: {s['max_allocated'] / _MB:.1f}"
+        if "persistent" in s:
+            buffers = ", ".join(f"{k}: {v / _MB:.3f}" for k, v in sorted(s["persistent"].items()))
+            line += f" | megatron_fsdp persistent buffers: {{{buffers}}} | temporary: {s['temporary'] / _MB:.3f}" \
+                    f" | peak temporary: {s['peak_temporary'] / _MB:.3f}"
+        logger.info(line)
+    return snaps
+
+
+def log_validation(iteration: int, loss: float, label: str = "validation") -> None:
+    ppl = float("inf") if loss > 700 else float(torch.tensor(loss).exp())
+    body = f" {label} loss at iteration {iteration} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} | "
+    bar = "-" * len(body)
+    logger.info("%s\n%s\n%s", bar, body, bar)
+
+
+# -- metrics file -----------------------------------------------------------------
+@dataclasses.dataclass(kw_only=True)
+class MetricsRecorder:
+    """Per-iteration metrics of this process, written as JSON by rank 0."""
+
+    iterations: list[int] = dataclasses.field(default_factory=list)
+    lm_loss: list[float] = dataclasses.field(default_factory=list)
+    grad_norm: list[Optional[float]] = dataclasses.field(default_factory=list)
+    learning_rate: list[float] = dataclasses.field(default_factory=list)
+    validation: list[tuple[int, float]] = dataclasses.field(default_factory=list)
+    memory: list[dict] = dataclasses.field(default_factory=list)
+
+    def record(self, iteration: int, result) -> None:
+        self.iterations.append(iteration)
+        self.lm_loss.append(result.lm_loss)
+        self.grad_norm.append(result.grad_norm)
+        self.learning_rate.append(result.learning_rate)
+
+    def write(self, path: str, **extra) -> None:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(dataclasses.asdict(self) | extra, f, indent=1)

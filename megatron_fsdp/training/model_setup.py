@@ -1,0 +1,256 @@
+"""Build the model, wrap it for data parallelism (Megatron-FSDP or PyTorch DDP)
+and build its optimizer, from the parsed flags.
+
+The embedded GPT (``megatron_fsdp.models.gpt``) is the default; ``--use-mcore-models``
+swaps in Megatron-core's GPTModel through ``megatron_fsdp.megatron_core_compat``,
+imported only then so megatron-core stays optional.
+
+[Note: mixed precision under DDP] With ``--use-megatron-fsdp`` and ``--bf16/--fp16``
+the model is cast before wrapping and Megatron-FSDP keeps fp32 main weights (per
+``--megatron-fsdp-*-dtype``). Plain DDP has no main-weight copy, so the DDP path
+keeps fp32 weights and runs forward under ``torch.autocast`` instead; the two are
+comparable but not bitwise equal in reduced precision (they are in fp32).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+
+import megatron_fsdp as mf
+from megatron_fsdp import device as device_mod
+from megatron_fsdp.models.gpt import GPT, GPTConfig, TransformerBlock
+
+from .arguments import Precision
+
+logger = logging.getLogger(__name__)
+
+_PRECISION_DTYPES = {Precision.FP32: torch.float32, Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
+
+# (inputs, targets) -> (sum of token losses, number of tokens)
+LossFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, int]]
+
+
+@dataclasses.dataclass(kw_only=True)
+class ModelBundle:
+    """The wrapped model and what the training step needs to drive it."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    loss_fn: LossFn
+    is_fsdp: bool
+    num_parameters: int
+    autocast_dtype: Optional[torch.dtype] = None
+    """Set on the DDP path in reduced precision (see [Note: mixed precision under DDP])."""
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def forward_context(self, device: torch.device):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=device.type, dtype=self.autocast_dtype)
+
+    def nan_grad_names(self) -> list[str]:
+        """Names of parameters whose reduced gradient holds NaN/Inf, from every rank."""
+        if self.is_fsdp and hasattr(self.model, "_report_nan_in_grads"):
+            local = self.model._report_nan_in_grads()
+        else:
+            local = [n for n, p in self.model.named_parameters()
+                     if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
+        if not dist.is_initialized():
+            return local
+        gathered: list[list[str]] = [None] * dist.get_world_size()  # type: ignore[list-item]
+        dist.all_gather_object(gathered, local)
+        return sorted({name for names in gathered for name in names})
+
+
+def setup_model_and_optimizer(args, device: torch.device) -> ModelBundle:
+    if args.use_mcore_models:
+        module, loss_fn_factory, unit_modules = _build_mcore_model(args, device)
+    else:
+        module, loss_fn_factory, unit_modules = _build_embedded_gpt(args, device)
+    num_parameters = sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
+    dtype = _PRECISION_DTYPES[args.precision]
+    if args.use_megatron_fsdp:
+        if dtype is not torch.float32:
+            module = module.to(dtype)
+        model = _wrap_megatron_fsdp(module, args, device, unit_modules)
+        optimizer = mf.fully_shard_optimizer(build_optimizer(model, args))
+        autocast = None
+    else:
+        model = _wrap_ddp(module, args, device)
+        optimizer = build_optimizer(model, args)
+        autocast = None if dtype is torch.float32 else dtype
+    return ModelBundle(model=model, optimizer=optimizer, loss_fn=loss_fn_factory(model), is_fsdp=args.use_megatron_fsdp,
+                       num_parameters=num_parameters, autocast_dtype=autocast)
+
+
+# -- models -----------------------------------------------------------------------
+def _build_embedded_gpt(args, device: torch.device):
+    cfg = GPTConfig(
+        vocab_size=args.vocab_size,
+        seq_length=args.max_position_embeddings,
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        ffn_hidden_size=args.ffn_hidden_size,
+        tie_embeddings=not args.untie_embeddings_and_output_weights,
+        recompute=args.recompute_activations,
+    )
+    # Same seed on every rank: identical initial weights without a broadcast.
+    torch.manual_seed(args.seed)
+    if args.init_model_with_meta_device:
+        with torch.device("meta"):
+            module = GPT(cfg)
+        if not args.use_megatron_fsdp:
+            module = _materialize(module, device)
+    else:
+        module = GPT(cfg).to(device)
+
+    def loss_fn_factory(model: nn.Module) -> LossFn:
+        def loss_fn(inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int]:
+            logits = model(inputs)  # (b, t, vocab)
+            # Loss in fp32 whatever the compute dtype: a bf16 log-softmax over 256+ classes is coarse.
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="sum")
+            return loss, targets.numel()
+
+        return loss_fn
+
+    return module, loss_fn_factory, [TransformerBlock]
+
+
+def _materialize(module: nn.Module, device: torch.device) -> nn.Module:
+    """DDP has no sharded initialisation: allocate and re-run every module's own init."""
+    module = module.to_empty(device=device)
+    for sub in module.modules():
+        if hasattr(sub, "reset_parameters"):
+            sub.reset_parameters()
+    return module
+
+
+def _build_mcore_model(args, device: torch.device):
+    try:
+        import megatron.core  # noqa: F401
+    except ImportError as exc:
+        raise RuntimeError(
+            "--use-mcore-models needs megatron-core, which is not installed; install it with "
+            "`pip install --no-deps megatron-core` (see README), or drop --use-mcore-models to train the embedded GPT"
+        ) from exc
+    try:
+        from megatron_fsdp.megatron_core_compat import build_megatron_core_gpt
+    except ImportError as exc:
+        raise RuntimeError(
+            "--use-mcore-models needs megatron_fsdp.megatron_core_compat.build_megatron_core_gpt, which this "
+            f"checkout does not provide ({exc}); update megatron_fsdp or drop --use-mcore-models"
+        ) from exc
+    torch.manual_seed(args.seed)
+    module = build_megatron_core_gpt(args)
+    if not args.init_model_with_meta_device:
+        module = module.to(device)
+
+    def loss_fn_factory(model: nn.Module) -> LossFn:
+        def loss_fn(inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int]:
+            positions = torch.arange(inputs.shape[1], device=inputs.device).unsqueeze(0).expand_as(inputs)
+            # Megatron-core's GPTModel returns the per-token loss (b, t) when given labels.
+            per_token = model(input_ids=inputs, position_ids=positions, attention_mask=None, labels=targets)
+            return per_token.float().sum(), targets.numel()
+
+        return loss_fn
+
+    return module, loss_fn_factory, None
+
+
+# -- wrappers ---------------------------------------------------------------------
+def ddp_config_from_args(args) -> mf.DistributedDataParallelConfig:
+    """Megatron's DDP config for these flags; also the single dtype-flag -> policy mapping."""
+    return mf.DistributedDataParallelConfig(
+        data_parallel_sharding_strategy=args.zero_strategy.label,
+        outer_dp_sharding_strategy=args.outer_strategy.label,
+        num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
+        use_megatron_fsdp=True,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather,
+        check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad,
+        megatron_fsdp_main_params_dtype=args.megatron_fsdp_main_params_dtype,
+        megatron_fsdp_main_grads_dtype=args.megatron_fsdp_main_grads_dtype,
+        megatron_fsdp_grad_comm_dtype=args.megatron_fsdp_grad_comm_dtype,
+        fsdp_double_buffer=args.fsdp_double_buffer,
+        nccl_ub=args.use_nccl_ub,
+        suggested_communication_unit_size=args.suggested_communication_unit_size,
+    )
+
+
+def _wrap_megatron_fsdp(module: nn.Module, args, device: torch.device, unit_modules) -> nn.Module:
+    ddp_config = ddp_config_from_args(args)
+    if args.suggested_communication_unit_size is not None:
+        logger.warning("--suggested-communication-unit-size=%d is recorded in the DDP config but "
+                       "fully_shard_model has no such knob yet; units are communicated one by one",
+                       args.suggested_communication_unit_size)
+    if args.use_mcore_models:
+        from megatron_fsdp.distributed_data_parallel import FullyShardedDataParallel
+
+        return FullyShardedDataParallel(config=module.config, ddp_config=ddp_config, module=module,
+                                        fsdp_unit_modules=unit_modules, device=device)
+    return mf.fully_shard_model(
+        module,
+        fsdp_unit_modules=unit_modules,
+        zero_dp_strategy=args.zero_strategy,
+        outer_dp_sharding_strategy=args.outer_strategy,
+        device=device,
+        init_model_with_meta_device=args.init_model_with_meta_device,
+        mixed_precision_policy=ddp_config.mixed_precision_policy(),
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather,
+        calculate_per_token_loss=args.calculate_per_token_loss,
+        fsdp_double_buffer=args.fsdp_double_buffer,
+        nccl_ub=args.use_nccl_ub,
+        check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad,
+        **_hsdp_kwargs(args, device),
+    )
+
+
+def _hsdp_kwargs(args, device: torch.device) -> dict:
+    """Mesh and groups for HSDP: ``num_distributed_optimizer_instances`` replicas of a
+    shard group of contiguous ranks (the fast, intra-node links)."""
+    outer = args.num_distributed_optimizer_instances
+    if outer <= 1:
+        return {}
+    world = dist.get_world_size()
+    mesh = init_device_mesh(device_mod.mesh_device_type(device), (outer, world // outer, 1),
+                            mesh_dim_names=("dp_outer", "dp_shard", "tp"))
+    return dict(device_mesh=mesh, dp_shard_dim="dp_shard", dp_outer_dim="dp_outer", tp_dim="tp",
+                hybrid_fsdp_group=dist.group.WORLD)
+
+
+def _wrap_ddp(module: nn.Module, args, device: torch.device) -> nn.Module:
+    device_ids = [device.index] if device.type == "cuda" else None
+    return nn.parallel.DistributedDataParallel(module, device_ids=device_ids)
+
+
+# -- optimizer --------------------------------------------------------------------
+def build_optimizer(model: nn.Module, args) -> torch.optim.Optimizer:
+    """Megatron-LM's grouping: no weight decay on biases and 1-D (norm) parameters."""
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        (no_decay if param.ndim == 1 or name.endswith(".bias") else decay).append(param)
+    groups = [
+        {"params": decay, "weight_decay": args.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    groups = [g for g in groups if g["params"]]
+    if args.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=args.lr, momentum=args.sgd_momentum)
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)

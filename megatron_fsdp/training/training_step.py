@@ -1,0 +1,179 @@
+"""One training iteration (micro batches, gradient sync, clipping, health checks,
+optimizer step) and evaluation, the same code for Megatron-FSDP and DDP.
+
+[Note: loss normalisation] Each micro batch contributes ``sum(token losses) / tokens
+/ num_microbatches`` and data-parallel averaging divides by the DP size, so the
+gradient is that of the mean token loss over the global batch. With
+``--calculate-per-token-loss`` the micro batches contribute raw sums, nothing is
+divided during the reduction, and the gradients are divided once by the global
+batch's token count after the backward passes (Megatron-LM's per-token mode). The
+logged ``lm loss`` is the global batch's mean token loss either way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .data import BatchLayout, SampleSource, get_microbatch
+from .loss_scaler import LossScaler
+from .lr_schedule import LRSchedule
+from .model_setup import ModelBundle
+
+
+class NaNLossError(RuntimeError):
+    """A NaN/Inf loss or gradient with ``--check-for-nan-in-loss-and-grad`` (Megatron-LM raises too)."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class TrainState:
+    """Progress that a checkpoint must restore for a resumed run to match an uninterrupted one."""
+
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    floating_point_operations_so_far: float = 0.0
+
+    def state_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        for field in dataclasses.fields(self):
+            setattr(self, field.name, state[field.name])
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepResult:
+    lm_loss: float
+    grad_norm: Optional[float]
+    learning_rate: float
+    skipped: bool
+    nan: bool
+    loss_scale: float
+
+
+@dataclasses.dataclass(kw_only=True)
+class StepContext:
+    """Everything ``train_step`` reads besides the state it advances."""
+
+    bundle: ModelBundle
+    schedule: LRSchedule
+    scaler: Optional[LossScaler]
+    layout: BatchLayout
+    device: torch.device
+    clip_grad: float
+    per_token_loss: bool
+    check_for_nan: bool
+
+
+def _global_sums(loss_sum: torch.Tensor, tokens: int, device: torch.device) -> tuple[float, int]:
+    stats = torch.tensor([float(loss_sum), float(tokens)], dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(stats)
+    return float(stats[0]), int(stats[1])
+
+
+def _forward_backward(ctx: StepContext, source: SampleSource, consumed: int, iteration: int) -> tuple[torch.Tensor, int]:
+    bundle, layout = ctx.bundle, ctx.layout
+    loss_total = torch.zeros((), dtype=torch.float64)
+    tokens_total = 0
+    scale = ctx.scaler.scale if ctx.scaler is not None else 1.0
+    for m in range(layout.num_microbatches):
+        inputs, targets = get_microbatch(source, layout, consumed, m, ctx.device)
+        last = m == layout.num_microbatches - 1
+        # Gradients are synchronised only after the last micro batch (ZeRO-2/3 still reduce-scatter each one).
+        sync = contextlib.nullcontext() if last else bundle.model.no_sync()
+        with sync:
+            with bundle.forward_context(ctx.device):
+                loss_sum, tokens = bundle.loss_fn(inputs, targets)
+            if ctx.check_for_nan and not bool(torch.isfinite(loss_sum)):
+                rank = dist.get_rank() if dist.is_initialized() else 0
+                raise NaNLossError(
+                    f"rank {rank}: the loss of iteration {iteration}, micro batch {m} is {float(loss_sum)}; "
+                    "lower --lr, check the data, or pass --no-check-for-nan-in-loss-and-grad to skip such steps"
+                )
+            divisor = 1.0 if ctx.per_token_loss else tokens * layout.num_microbatches
+            (loss_sum * (scale / divisor)).backward()
+        loss_total += loss_sum.detach().double().cpu()
+        tokens_total += tokens
+    return loss_total, tokens_total
+
+
+def _grad_norm(params: list[torch.Tensor], clip_grad: float) -> float:
+    """Clip (when ``clip_grad > 0``) and return the global gradient norm; works on
+    sharded DTensor parameters, whose norm is reduced across the shard group."""
+    max_norm = clip_grad if clip_grad > 0 else math.inf
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+@torch.no_grad()
+def _scale_grads(params: list[torch.Tensor], factor: float) -> None:
+    for p in params:
+        if p.grad is not None:
+            p.grad.mul_(factor)
+
+
+def train_step(ctx: StepContext, state: TrainState, source: SampleSource) -> StepResult:
+    bundle = ctx.bundle
+    lr = ctx.schedule.apply(bundle.optimizer)
+    bundle.optimizer.zero_grad()
+    loss_sum, tokens = _forward_backward(ctx, source, state.consumed_train_samples, state.iteration + 1)
+    global_loss, global_tokens = _global_sums(loss_sum, tokens, ctx.device)
+    params = bundle.params
+    if ctx.per_token_loss:
+        # Megatron-FSDP summed over ranks (no DP scaling); DDP always averages, so undo its 1/dp.
+        dp = ctx.layout.dp_size
+        _scale_grads(params, (1.0 if bundle.is_fsdp else dp) / global_tokens)
+    found_inf = False
+    if ctx.scaler is not None:
+        found_inf = ctx.scaler.unscale_and_check(params)
+        ctx.scaler.update(found_inf)
+    grad_norm = None if found_inf else _grad_norm(params, ctx.clip_grad)
+    nan = grad_norm is not None and not math.isfinite(grad_norm)
+    if nan and ctx.check_for_nan:
+        names = bundle.nan_grad_names()
+        raise NaNLossError(
+            f"iteration {state.iteration + 1}: the gradient norm is {grad_norm}; NaN/Inf in the reduced gradient of "
+            f"{', '.join(names) or 'an unnamed parameter'}. Lower --lr or --initial-loss-scale, keep --clip-grad, "
+            "check the data, or pass --no-check-for-nan-in-loss-and-grad to skip such steps"
+        )
+    skipped = found_inf or nan
+    if skipped:
+        bundle.optimizer.zero_grad()  # drop the bad gradients; weights stay as they were
+    else:
+        bundle.optimizer.step()
+    ctx.schedule.step()
+    state.iteration += 1
+    state.consumed_train_samples += ctx.layout.global_batch_size
+    return StepResult(
+        lm_loss=global_loss / global_tokens,
+        grad_norm=grad_norm,
+        learning_rate=lr,
+        skipped=skipped,
+        nan=nan or not math.isfinite(global_loss),
+        loss_scale=ctx.scaler.scale if ctx.scaler is not None else 1.0,
+    )
+
+
+@torch.no_grad()
+def evaluate(ctx: StepContext, source: SampleSource, eval_iters: int) -> float:
+    """Mean token loss over ``eval_iters`` global batches from the start of ``source``."""
+    loss_total = torch.zeros((), dtype=torch.float64)
+    tokens_total = 0
+    for it in range(eval_iters):
+        consumed = it * ctx.layout.global_batch_size
+        for m in range(ctx.layout.num_microbatches):
+            inputs, targets = get_microbatch(source, ctx.layout, consumed, m, ctx.device)
+            with ctx.bundle.forward_context(ctx.device):
+                loss_sum, tokens = ctx.bundle.loss_fn(inputs, targets)
+            loss_total += loss_sum.double().cpu()
+            tokens_total += tokens
+    global_loss, global_tokens = _global_sums(loss_total, tokens_total, ctx.device)
+    return global_loss / global_tokens
