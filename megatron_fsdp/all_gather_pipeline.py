@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Iterable, Optional
 
 import torch
-import torch.distributed as dist
+import torch.distributed as dist  # noqa: F401  (Work type)
 
 from . import collectives
 from .enums import BucketStatus
@@ -22,8 +22,7 @@ from .param_and_grad_buffer import ParameterGroup
 
 
 class AllGatherPipeline:
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        self.group = group
+    def __init__(self) -> None:
         # In-flight gathers: the handle plus the source tensor, which must outlive it.
         self._pending: dict[ParameterGroup, tuple[Optional[dist.Work], torch.Tensor]] = {}
 
@@ -38,7 +37,7 @@ class AllGatherPipeline:
             # A replicated buffer gathers into itself: the input must not alias the
             # output, so its shard is copied out first.
             source = buf.data if buf.is_distributed else buf.shard.clone()
-            work = collectives.all_gather(bucket, source, self.group, async_op=async_op, label=g.label)
+            work = collectives.all_gather(bucket, source, g.dp.shard_group, async_op=async_op, label=g.label)
             if async_op:
                 buf.status = BucketStatus.COMMUNICATING
                 self._pending[g] = (work, source)
@@ -72,6 +71,14 @@ class AllGatherPipeline:
             if not g.model_weights.is_distributed and g.model_weights.layout.world_size > 1:
                 self.wait([g])
                 g.model_weights.status = BucketStatus.EMPTY
+
+    @torch.no_grad()
+    def gather_outer(self, groups: Iterable[ParameterGroup]) -> None:
+        """HFSDP after a step: rebuild each model-weight shard from the outer group's
+        main-weight pieces (cast to the compute dtype on the way)."""
+        for g in groups:
+            piece = g.main_weights.data.to(g.model_weights.dtype)  # a copy: input must not alias output
+            collectives.all_gather(g.model_weights.data, piece, g.dp.outer_group, async_op=False, label=f"outer:{g.label}")
 
     def wait_all(self) -> None:
         self.wait(list(self._pending))

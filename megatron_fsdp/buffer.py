@@ -60,6 +60,14 @@ class DataParallelBuffer:
         start, end = self.layout.item_range(index)
         return self._bucket[start:end]
 
+    def global_view(self, start: int, numel: int) -> torch.Tensor:
+        """Elements ``[start, start + numel)`` of the unsharded bucket, read from the
+        data this rank holds (the range must lie inside it)."""
+        base = self.rank * self.layout.shard_numel if self.is_distributed else 0
+        local = start - base
+        assert 0 <= local and local + numel <= self.data.numel(), "range outside this rank's data"
+        return self.data[local : local + numel]
+
     def item_in_shard(self, index: int) -> torch.Tensor:
         """The part of item ``index`` this rank owns, flat (may be empty)."""
         overlap = self.layout.overlap(index, self.rank)

@@ -6,11 +6,13 @@ its replicas all-reduce over", and the matching DeviceMesh for DTensors.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Optional
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Placement, Replicate, Shard
 
 logger = logging.getLogger(__name__)
 
@@ -29,14 +31,70 @@ def _check_dim(mesh: DeviceMesh, dim: Optional[str], arg_name: str) -> None:
         )
 
 
+_default_meshes: dict[tuple, DeviceMesh] = {}
+
+
 def build_default_mesh(device_type: str, dp_shard_dim: str = DEFAULT_DP_SHARD_DIM, tp_dim: str = DEFAULT_TP_DIM) -> DeviceMesh:
-    """A (world, 1) mesh: every rank shards, tensor parallelism is trivial."""
+    """A (world, 1) mesh: every rank shards, tensor parallelism is trivial.
+
+    Cached per process group: building a mesh creates process groups, and a
+    long-lived process that wraps many models should not pile them up."""
     if not dist.is_initialized():
         raise RuntimeError(
             "torch.distributed is not initialized; call torch.distributed.init_process_group() "
             "(e.g. launch with torchrun) before sharding a model"
         )
-    return init_device_mesh(device_type, (dist.get_world_size(), 1), mesh_dim_names=(dp_shard_dim, tp_dim))
+    key = (id(dist.group.WORLD), device_type, dist.get_world_size(), dp_shard_dim, tp_dim)
+    if key not in _default_meshes:
+        _default_meshes[key] = init_device_mesh(
+            device_type, (dist.get_world_size(), 1), mesh_dim_names=(dp_shard_dim, tp_dim)
+        )
+    return _default_meshes[key]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DataParallelGroups:
+    """The data-parallel topology one parameter group lives on.
+
+    Buffers shard over ``shard_group``; HSDP replicates across ``outer_group``;
+    HFSDP (``outer_shards_optimizer``) also splits each shard's optimizer state
+    across ``outer_group``: rank (outer o, shard r) owns piece o of shard r.
+    """
+
+    shard_group: dist.ProcessGroup
+    outer_group: Optional[dist.ProcessGroup]
+    outer_shards_optimizer: bool
+    mesh: DeviceMesh
+    """Mesh of the distributed parameters' DTensors."""
+    placements: tuple[Placement, ...]
+    scaling_size: int
+    """Gradients average over this many replicas (the dense data-parallel size, also
+    for expert parameters, as Megatron scales them)."""
+
+    @property
+    def shard_size(self) -> int:
+        return dist.get_world_size(self.shard_group)
+
+    @property
+    def shard_rank(self) -> int:
+        return dist.get_rank(self.shard_group)
+
+    @property
+    def outer_size(self) -> int:
+        return 1 if self.outer_group is None else dist.get_world_size(self.outer_group)
+
+    @property
+    def outer_rank(self) -> int:
+        return 0 if self.outer_group is None else dist.get_rank(self.outer_group)
+
+    @property
+    def optimizer_parts(self) -> int:
+        """Into how many pieces the optimizer splits each shard (HFSDP: the outer size)."""
+        return self.outer_size if self.outer_shards_optimizer else 1
+
+    @property
+    def optimizer_rank(self) -> int:
+        return self.shard_rank * self.optimizer_parts + (self.outer_rank if self.outer_shards_optimizer else 0)
 
 
 class FSDPDistributedIndex:
@@ -72,6 +130,43 @@ class FSDPDistributedIndex:
         )
         self.tp_group: Optional[dist.ProcessGroup] = device_mesh[tp_dim].get_group() if tp_dim is not None else None
         self.hybrid_fsdp_group = hybrid_fsdp_group
+        if expt_device_mesh is not None:
+            for dim, name in ((dp_shard_dim, "dp_shard_dim"), (dp_outer_dim, "dp_outer_dim")):
+                if dim is not None and dim not in (expt_device_mesh.mesh_dim_names or ()):
+                    raise ValueError(
+                        f"expt_device_mesh has no dimension {dim!r} ({name}); its dimensions are "
+                        f"{list(expt_device_mesh.mesh_dim_names or ())}. Name the expert data-parallel dimensions alike."
+                    )
+        self._groups: dict[bool, DataParallelGroups] = {}
+
+    def groups_for(self, is_expert: bool = False) -> DataParallelGroups:
+        """The topology of regular (or expert) parameters."""
+        if is_expert and self.expt_device_mesh is None:
+            raise ValueError(
+                "the model has expert parameters (marked allreduce=False) but no expt_device_mesh was given; "
+                "pass expt_device_mesh= with the expert data-parallel dimensions"
+            )
+        if is_expert not in self._groups:
+            mesh = self.expt_device_mesh if is_expert else self.device_mesh
+            self._groups[is_expert] = self._make_groups(mesh)
+        return self._groups[is_expert]
+
+    def _make_groups(self, mesh: DeviceMesh) -> DataParallelGroups:
+        shard_mesh = mesh[self.dp_shard_dim]
+        outer_group = None
+        dtensor_mesh, placements = shard_mesh, (Shard(0),)
+        if self.dp_outer_dim is not None and mesh[self.dp_outer_dim].size() > 1:
+            outer_group = mesh[self.dp_outer_dim].get_group()
+            dtensor_mesh = mesh[(self.dp_outer_dim, self.dp_shard_dim)]
+            placements = (Shard(0) if self.hsdp_outer_dp_shard else Replicate(), Shard(0))
+        return DataParallelGroups(
+            shard_group=shard_mesh.get_group(),
+            outer_group=outer_group,
+            outer_shards_optimizer=self.hsdp_outer_dp_shard and outer_group is not None,
+            mesh=dtensor_mesh,
+            placements=placements,
+            scaling_size=self.dp_size,
+        )
 
     # -- the data-parallel shard group ----------------------------------------
     @property

@@ -39,9 +39,8 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GradReduceOptions:
-    strategy: ShardingStrategy
-    scaling_factor: float
-    """Multiplies gradients before a SUM collective (1/dp for averaging)."""
+    per_token_loss: bool
+    """The loss is a sum over tokens: no averaging over data-parallel replicas."""
     average_in_collective: bool
     """Use ReduceOp.AVG instead of pre-scaling."""
     overlap: bool
@@ -72,13 +71,12 @@ class GradReducePipeline:
         self,
         groups: list[ParameterGroup],
         *,
-        shard_group: dist.ProcessGroup,
         policy: MixedPrecisionPolicy,
         options: GradReduceOptions,
         allocator: StorageResizeAllocator,
     ) -> None:
         self.groups = [g for g in groups if g.requires_grad]
-        self.shard_group = shard_group
+        self._outer_reduced = False
         self.policy = policy
         self.options = options
         self.allocator = allocator
@@ -94,7 +92,7 @@ class GradReducePipeline:
         state = self._state[group]
         if grad is not None:
             flat = grad.reshape(-1)
-            if self.options.strategy.shards_grads:
+            if group.strategy.shards_grads:
                 if state.bucket is None:
                     state.bucket = self.allocator.new(
                         group.layout.padded_numel, self._comm_dtype(group), group.main_grads.device, zero=True
@@ -126,7 +124,7 @@ class GradReducePipeline:
         last zeroing, ZeRO-2/3 groups still holding unreduced gradients."""
         for group in self.groups:
             state = self._state[group]
-            if self.options.strategy.shards_grads:
+            if group.strategy.shards_grads:
                 if state.bucket is not None:
                     self._launch(group)
             elif state.reductions_since_zero == 0:
@@ -136,7 +134,8 @@ class GradReducePipeline:
         state = self._state[group]
         state.launched = True
         state.reductions_since_zero += 1
-        if not self.options.strategy.shards_grads and state.reductions_since_zero > 1:
+        self._outer_reduced = False  # new shard-level gradients need an outer reduction
+        if not group.strategy.shards_grads and state.reductions_since_zero > 1:
             logger.warning(
                 "gradients of %s are being reduced a second time without zero_grad_buffer(); the "
                 "reduced values would be counted twice. Call model.zero_grad_buffer() (or "
@@ -144,7 +143,7 @@ class GradReducePipeline:
                 group.label,
             )
         async_op = self.options.overlap if async_op is None else async_op
-        strategy, main = self.options.strategy, group.main_grads
+        strategy, main = group.strategy, group.main_grads
         comm_dtype = self._comm_dtype(group)
         temps: list[torch.Tensor] = []  # allocated here, released once the collective is done
 
@@ -164,13 +163,14 @@ class GradReducePipeline:
 
         if self.options.check_for_nan:
             self._check_finite(group, source)
-        op = dist.ReduceOp.AVG if self.options.average_in_collective else dist.ReduceOp.SUM
-        if not self.options.average_in_collective and self.options.scaling_factor != 1.0:
-            source.mul_(self.options.scaling_factor)
+        op = self._op()
+        scaling = self._scaling(group)
+        if scaling != 1.0:
+            source.mul_(scaling)
 
         if strategy is ShardingStrategy.NO_SHARD:
             output = source
-            work = collectives.all_reduce(source, self.shard_group, op=op, async_op=async_op, label=group.label)
+            work = collectives.all_reduce(source, group.dp.shard_group, op=op, async_op=async_op, label=group.label)
         else:
             if source is main.data:
                 # ZeRO-1 without a wire dtype: reduce-scatter in place into this rank's
@@ -179,7 +179,9 @@ class GradReducePipeline:
             else:
                 output = self.allocator.new(group.layout.shard_numel, comm_dtype, main.device)
                 temps.append(output)
-            work = collectives.reduce_scatter(output, source, self.shard_group, op=op, async_op=async_op, label=group.label)
+            work = collectives.reduce_scatter(
+                output, source, group.dp.shard_group, op=op, async_op=async_op, label=group.label
+            )
         finalize = self._finalizer(group, output, temps)
         if async_op:
             self._pending.append(_Pending(group, work, finalize))
@@ -188,7 +190,7 @@ class GradReducePipeline:
 
     def _finalizer(self, group: ParameterGroup, output: torch.Tensor, temps: list[torch.Tensor]) -> Callable[[], None]:
         main = group.main_grads
-        strategy = self.options.strategy
+        strategy = group.strategy
 
         @torch.no_grad()
         def finalize() -> None:
@@ -212,17 +214,52 @@ class GradReducePipeline:
             for index, name in enumerate(group.names)
             if not bool(torch.isfinite(flat[slice(*group.layout.item_range(index))]).all())
         ]
+        shard_group = group.dp.shard_group
         flag = torch.tensor([1.0 if bad else 0.0], device=flat.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.shard_group)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=shard_group)
         if flag.item() == 0:
             return
-        reports: list = [None] * dist.get_world_size(self.shard_group)
-        dist.all_gather_object(reports, (dist.get_rank(), bad), group=self.shard_group)
+        reports: list = [None] * dist.get_world_size(shard_group)
+        dist.all_gather_object(reports, (dist.get_rank(), bad), group=shard_group)
         found = "; ".join(f"rank {r}: {', '.join(names)}" for r, names in reports if names)
         raise FloatingPointError(
             f"NaN or Inf in the local gradient before the gradient collective ({found}); check the loss "
             "and the inputs of the named rank (found by check_for_nan_in_grad=True)"
         )
+
+    def _op(self) -> dist.ReduceOp.RedOpType:
+        return dist.ReduceOp.AVG if self.options.average_in_collective and not self.options.per_token_loss else dist.ReduceOp.SUM
+
+    def _scaling(self, group: ParameterGroup) -> float:
+        """Pre-multiplier before a SUM collective: 1/dp averages over all replicas."""
+        if self.options.per_token_loss or self.options.average_in_collective:
+            return 1.0
+        return 1.0 / group.dp.scaling_size
+
+    @torch.no_grad()
+    def reduce_outer(self) -> None:
+        """HSDP/HFSDP: combine the dp-shard-reduced gradients across the outer group,
+        once per optimization step (after the last microbatch): all-reduce of the
+        shard (HSDP) or reduce-scatter of it into this rank's optimizer piece (HFSDP)."""
+        if self._outer_reduced:
+            return
+        self._outer_reduced = True
+        works = []
+        for group in self.groups:
+            outer = group.dp.outer_group
+            if outer is None:
+                continue
+            main = group.main_grads
+            label = f"outer:{group.label}"
+            if group.hfsdp and group.strategy.shards_optimizer:
+                piece = main.data.numel() // group.dp.outer_size
+                output = main.data[group.dp.outer_rank * piece : (group.dp.outer_rank + 1) * piece]
+                works.append(collectives.reduce_scatter(output, main.data, outer, op=self._op(), async_op=True, label=label))
+            else:
+                target = main.data if group.strategy is ShardingStrategy.NO_SHARD else main.shard
+                works.append(collectives.all_reduce(target, outer, op=self._op(), async_op=True, label=label))
+        for work in works:
+            work.wait()
 
     # -- step boundaries ---------------------------------------------------------
     def wait_all(self) -> None:
@@ -240,6 +277,7 @@ class GradReducePipeline:
 
     def zero(self) -> None:
         self.wait_all()
+        self._outer_reduced = False
         for g in self.groups:
             g.main_grads.data.zero_()
             state = self._state[g]

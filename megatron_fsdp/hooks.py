@@ -185,7 +185,7 @@ class HookRuntime:
             self._group_complete(group)
 
     def _group_complete(self, group: ParameterGroup) -> None:
-        if self.grad_reduce.options.strategy.shards_grads or self.sync_enabled():
+        if group.strategy.shards_grads or self.sync_enabled():
             self.grad_reduce.reduce(group)
         # Every use of these weights has produced its gradient: they are free to go.
         self.all_gather.reshard([group])
@@ -193,9 +193,7 @@ class HookRuntime:
     def _post_backward_final(self) -> None:
         with record_function("megatron_fsdp::post_backward_final"):
             for group in self.buffer.grad_groups:
-                if not self.grad_reduce.is_complete(group) and (
-                    self.grad_reduce.options.strategy.shards_grads or self.sync_enabled()
-                ):
+                if not self.grad_reduce.is_complete(group) and (group.strategy.shards_grads or self.sync_enabled()):
                     # Unused parameters: every rank must still take part.
                     self.grad_reduce.reduce(group)
             self.all_gather.reshard(self.buffer.groups)

@@ -34,10 +34,15 @@ class BucketLayout:
 
     item_numels: tuple[int, ...]
     world_size: int
+    shard_divisor: int = 1
+    """Each shard's size is a multiple of this, so that a shard splits evenly again
+    (HFSDP splits the dp-shard shard across the outer group)."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
             raise ValueError(f"world_size={self.world_size} must be >= 1")
+        if self.shard_divisor < 1:
+            raise ValueError(f"shard_divisor={self.shard_divisor} must be >= 1")
         if any(n < 0 for n in self.item_numels):
             raise ValueError(f"item sizes must be non-negative, got {self.item_numels}")
 
@@ -56,7 +61,15 @@ class BucketLayout:
 
     @property
     def shard_numel(self) -> int:
-        return -(-self.numel // self.world_size) if self.numel else 0
+        unit = self.world_size * self.shard_divisor
+        return -(-self.numel // unit) * self.shard_divisor if self.numel else 0
+
+    def split(self, parts: int) -> "BucketLayout":
+        """The same items sharded ``parts`` times finer: rank ``r * parts + p`` owns
+        piece ``p`` of this layout's shard ``r``."""
+        if self.shard_divisor % parts:
+            raise ValueError(f"shard_divisor={self.shard_divisor} does not split into {parts} parts")
+        return BucketLayout(self.item_numels, self.world_size * parts, self.shard_divisor // parts)
 
     def item_range(self, index: int) -> tuple[int, int]:
         start = self.item_offsets[index]

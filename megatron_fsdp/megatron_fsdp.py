@@ -102,10 +102,9 @@ class MegatronFSDP(nn.Module):
             disable_bucketing=disable_bucketing,
         )
         buffer = self.param_and_grad_buffer
-        self.all_gather_pipeline = AllGatherPipeline(self.dist_index.dp_shard_group)
+        self.all_gather_pipeline = AllGatherPipeline()
         self.grad_reduce_pipeline = GradReducePipeline(
             buffer.groups,
-            shard_group=self.dist_index.dp_shard_group,
             policy=self.mp_policy,
             options=self._grad_options(),
             allocator=buffer.allocator,
@@ -140,7 +139,6 @@ class MegatronFSDP(nn.Module):
             "nccl_ub=True (NCCL user-buffer registration)": cfg.nccl_ub,
             "keep_fp8_transpose_cache=True (TransformerEngine FP8 parameters)": cfg.keep_fp8_transpose_cache,
             "fp8_param_gather=True (TransformerEngine FP8 parameters)": cfg.fp8_param_gather,
-            "a dp_outer group larger than 1 (HSDP/HFSDP)": self.dist_index.outer_size > 1,
         }
         for feature, requested in unsupported.items():
             if requested:
@@ -164,11 +162,9 @@ class MegatronFSDP(nn.Module):
 
     def _grad_options(self) -> GradReduceOptions:
         cfg = self.ddp_config
-        per_token = self.calculate_per_token_loss
         return GradReduceOptions(
-            strategy=self.strategy,
-            scaling_factor=1.0 if per_token else 1.0 / self.dist_index.dp_size,
-            average_in_collective=cfg.average_in_collective and not per_token,
+            per_token_loss=self.calculate_per_token_loss,
+            average_in_collective=cfg.average_in_collective,
             overlap=cfg.overlap_grad_reduce,
             check_for_nan=cfg.check_for_nan_in_grad,
         )
@@ -220,6 +216,7 @@ class MegatronFSDP(nn.Module):
         """Reduce what is left, wait for every collective, hand gradients to the optimizer."""
         self.start_grad_sync()
         self.grad_reduce_pipeline.wait_all()
+        self.grad_reduce_pipeline.reduce_outer()
         self.param_and_grad_buffer.attach_grads()
         if self.report_nan_in_param_grads:
             self._report_nan_in_grads()
@@ -278,9 +275,14 @@ class MegatronFSDP(nn.Module):
     # -- parameters ---------------------------------------------------------------
     def install_optimized_model_weights(self) -> None:
         """Copy the optimizer's main weights into the model weights used for compute."""
-        self.param_and_grad_buffer.copy_main_to_model_weights()
-        if self.strategy in (ShardingStrategy.OPTIM, ShardingStrategy.OPTIM_GRADS):
-            self.all_gather_pipeline.mark_stale(self.param_and_grad_buffer.groups)
+        outer_gathers = self.param_and_grad_buffer.copy_main_to_model_weights()
+        self.all_gather_pipeline.gather_outer(outer_gathers)
+        stale = [
+            g for g in self.param_and_grad_buffer.groups
+            if g.strategy in (ShardingStrategy.OPTIM, ShardingStrategy.OPTIM_GRADS)
+        ]
+        if stale:
+            self.all_gather_pipeline.mark_stale(stale)
             self.start_param_sync()
 
     def start_param_sync(self, *unused: Any, force_sync: bool = False) -> None:
@@ -294,15 +296,20 @@ class MegatronFSDP(nn.Module):
 
     @torch.no_grad()
     def broadcast_params(self) -> None:
-        """Make replicated state equal to data-parallel rank 0's."""
+        """Make every replica equal to its first copy: buffers replicated inside the
+        shard group from shard rank 0, then everything replicated across the outer
+        group from outer rank 0 (an HFSDP main-weight piece is not a replica)."""
         from . import collectives
 
-        group = self.dist_index.dp_shard_group
         self.all_gather_pipeline.wait_all()
         for g in self.param_and_grad_buffer.groups:
             for buf in (g.model_weights, g.main_weights):
-                if buf is not None and not buf.is_distributed:
-                    collectives.broadcast(buf.data, 0, group, label=g.label)
+                if buf is None:
+                    continue
+                if not buf.is_distributed:
+                    collectives.broadcast(buf.data, 0, g.dp.shard_group, label=g.label)
+                if g.dp.outer_group is not None and not (buf is g.main_weights and g.hfsdp):
+                    collectives.broadcast(buf.data, 0, g.dp.outer_group, label=f"outer:{g.label}")
 
     def named_parameters(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True

@@ -3,13 +3,17 @@ model-weight, main-weight and main-gradient ``DataParallelBuffer``s plus the
 distributed parameters the optimizer updates.
 
 A group is the set of parameters sharing (FSDP unit, dtype, requires_grad,
-data-parallel group). Which buffers are sharded follows the strategy::
+expert-ness, no_shard mark). Which buffers are sharded follows the group's strategy::
 
     strategy             model weights   main weights   main grads
     no_shard   (ZeRO-0)  replicated      replicated     replicated
     optim      (ZeRO-1)  replicated      sharded        replicated
     optim_grads(ZeRO-2)  replicated      sharded        sharded
     optim_grads_params   sharded         sharded        sharded
+
+HFSDP splits each main-weight shard once more across the outer group (the
+"optimizer layout"); main gradients keep the dp-shard layout, because that is what
+the dp-shard reduce-scatter produces and accumulates.
 
 The module's own parameters ("compute parameters") stay registered on their
 modules; their ``.data`` is re-pointed into the model-weight bucket, so gathering a
@@ -24,13 +28,14 @@ from typing import Iterator, Optional
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate
 
 from .allocator import BufferAccounting, StorageResizeAllocator
 from .buffer import DataParallelBuffer
-from .distributed_index import FSDPDistributedIndex
+from .distributed_index import DataParallelGroups, FSDPDistributedIndex
 from .enums import ShardingStrategy
 from .layout import BucketLayout
+from .marks import is_expert_param, is_fsdp_no_shard
 from .mixed_precision import MixedPrecisionPolicy
 
 logger = logging.getLogger(__name__)
@@ -47,9 +52,15 @@ class ParameterGroup:
     unit: Optional[int]
     dtype: torch.dtype
     requires_grad: bool
+    strategy: ShardingStrategy
+    """The model's strategy, or NO_SHARD for parameters marked ``fsdp_no_shard``."""
+    dp: DataParallelGroups
     params: list[nn.Parameter]
     names: list[str]
     layout: BucketLayout
+    """dp-shard layout: model weights and main gradients."""
+    optimizer_layout: BucketLayout
+    """Layout of the main weights (finer than ``layout`` under HFSDP)."""
     model_weights: DataParallelBuffer
     main_weights: Optional[DataParallelBuffer]
     """``None`` when the model weights serve as main weights (``main_params_dtype=None``)."""
@@ -62,12 +73,32 @@ class ParameterGroup:
         return self.main_weights if self.main_weights is not None else self.model_weights
 
     @property
+    def hfsdp(self) -> bool:
+        return self.dp.outer_shards_optimizer
+
+    @property
     def label(self) -> str:
         where = "root" if self.unit is None else f"unit{self.unit}"
         return f"{where}/{str(self.dtype).removeprefix('torch.')}/g{self.index}"
 
+    def optimizer_piece(self, index: int) -> tuple[int, int]:
+        """(start in the unsharded bucket, numel) of the part of item ``index`` this
+        rank's optimizer owns."""
+        if not self.strategy.shards_optimizer:
+            start, end = self.layout.item_range(index)
+            return start, end - start
+        rank = self.dp.optimizer_rank
+        overlap = self.optimizer_layout.overlap(index, rank)
+        base = rank * self.optimizer_layout.shard_numel
+        return (base, 0) if overlap is None else (base + overlap.shard_start, overlap.numel)
+
+    def local_flat_start(self, index: int) -> int:
+        """Where the optimizer's part of item ``index`` starts in the item's flat order."""
+        start, numel = self.optimizer_piece(index)
+        return start - self.layout.item_range(index)[0] if numel else 0
+
     def __repr__(self) -> str:
-        return f"ParameterGroup({self.label}, params={len(self.params)}, numel={self.layout.numel})"
+        return f"ParameterGroup({self.label}, {self.strategy.label}, params={len(self.params)}, numel={self.layout.numel})"
 
 
 def assign_units(module: nn.Module, unit_modules: list[nn.Module]) -> dict[nn.Parameter, Optional[int]]:
@@ -107,22 +138,16 @@ class ParamAndGradBuffer:
         disable_bucketing: bool = False,
     ) -> None:
         self.strategy = strategy
-        self.disable_bucketing = disable_bucketing
         self.policy = policy
         self.dist_index = dist_index
         self.device = device
+        self.disable_bucketing = disable_bucketing
         self.accounting = BufferAccounting()
         self.allocator = StorageResizeAllocator(self.accounting)
-        self.param_names: dict[nn.Parameter, str] = {}
-        for name, p in module.named_parameters():
-            self.param_names[p] = name
+        self.param_names: dict[nn.Parameter, str] = {p: name for name, p in module.named_parameters()}
         self.groups: list[ParameterGroup] = self._build_groups(module, unit_modules)
-        self._slot: dict[nn.Parameter, tuple[ParameterGroup, int]] = {
-            p: (g, i) for g in self.groups for i, p in enumerate(g.params)
-        }
-        self._dist_slot: dict[nn.Parameter, tuple[ParameterGroup, int]] = {
-            p: (g, i) for g in self.groups for i, p in enumerate(g.dist_params)
-        }
+        self._slot = {p: (g, i) for g in self.groups for i, p in enumerate(g.params)}
+        self._dist_slot = {p: (g, i) for g in self.groups for i, p in enumerate(g.dist_params)}
 
     # -- construction ----------------------------------------------------------
     def _build_groups(self, module: nn.Module, unit_modules: list[nn.Module]) -> list[ParameterGroup]:
@@ -130,44 +155,58 @@ class ParamAndGradBuffer:
         keyed: dict[tuple, list[nn.Parameter]] = {}
         for p in self.param_names:
             # disable_bucketing: one group (and one collective) per parameter.
-            key = (unit_of[p], p.dtype, p.requires_grad, len(keyed) if self.disable_bucketing else 0)
+            bucket = len(keyed) if self.disable_bucketing else 0
+            key = (unit_of[p], p.dtype, p.requires_grad, is_expert_param(p), is_fsdp_no_shard(p), bucket)
             keyed.setdefault(key, []).append(p)
         # Root groups first (gathered once per step), then units in module order.
-        order = sorted(keyed, key=lambda k: (-1 if k[0] is None else k[0], not k[2], str(k[1]), k[3]))
+        order = sorted(keyed, key=lambda k: (-1 if k[0] is None else k[0], not k[2], str(k[1]), k[3], k[4], k[5]))
         return [self._build_group(index, key, keyed[key]) for index, key in enumerate(order)]
 
     def _build_group(self, index: int, key: tuple, params: list[nn.Parameter]) -> ParameterGroup:
-        unit, dtype, requires_grad, _ = key
-        shard_group, rank = self.dist_index.dp_shard_group, self.dist_index.shard_rank
-        layout = BucketLayout(tuple(p.numel() for p in params), self.dist_index.shard_size)
+        unit, dtype, requires_grad, is_expert, no_shard, _ = key
+        dp = self.dist_index.groups_for(is_expert)
+        strategy = ShardingStrategy.NO_SHARD if no_shard else self.strategy
+        numels = tuple(p.numel() for p in params)
+        layout = BucketLayout(numels, dp.shard_size, shard_divisor=dp.optimizer_parts)
+        optimizer_layout = layout.split(dp.optimizer_parts) if strategy.shards_optimizer else layout
 
-        def make(role: str, buf_dtype: torch.dtype, distributed: bool) -> DataParallelBuffer:
+        def make(role: str, buf_dtype: torch.dtype, buf_layout: BucketLayout, rank: int, distributed: bool):
             return DataParallelBuffer(
-                layout,
+                buf_layout,
                 dtype=buf_dtype,
                 device=self.device,
-                group=shard_group,
+                group=dp.shard_group,
                 rank=rank,
-                is_distributed=distributed and layout.world_size > 1,
+                is_distributed=distributed and buf_layout.world_size > 1,
                 allocator=self.allocator,
                 category=role,
             )
 
-        model_weights = make("model_weights", dtype, self.strategy.shards_params)
+        model_weights = make("model_weights", dtype, layout, dp.shard_rank, strategy.shards_params)
         main_weights = None
-        if self.policy.main_params_dtype is not None:
-            main_weights = make("main_weights", self.policy.main_params_dtype, self.strategy.shards_optimizer)
+        hfsdp = dp.outer_shards_optimizer and strategy.shards_optimizer
+        main_dtype = self.policy.main_params_dtype or (dtype if hfsdp else None)
+        if main_dtype is not None:
+            # HFSDP always keeps its own optimizer piece: the model-weight shard is
+            # gathered from the pieces after every step.
+            if hfsdp:
+                main_weights = make("main_weights", main_dtype, optimizer_layout, dp.optimizer_rank, True)
+            else:
+                main_weights = make("main_weights", main_dtype, layout, dp.shard_rank, strategy.shards_optimizer)
         main_grads = None
         if requires_grad:
-            main_grads = make("main_grads", self.policy.grads_dtype_for(dtype), self.strategy.shards_grads)
+            main_grads = make("main_grads", self.policy.grads_dtype_for(dtype), layout, dp.shard_rank, strategy.shards_grads)
         group = ParameterGroup(
             index=index,
             unit=unit,
             dtype=dtype,
             requires_grad=requires_grad,
+            strategy=strategy,
+            dp=dp,
             params=params,
             names=[self.param_names[p] for p in params],
             layout=layout,
+            optimizer_layout=optimizer_layout,
             model_weights=model_weights,
             main_weights=main_weights,
             main_grads=main_grads,
@@ -181,35 +220,51 @@ class ParamAndGradBuffer:
         # Views can only be cut from allocated storage; they survive its release.
         group.model_weights.allocate_bucket()
         for i, p in enumerate(group.params):
-            group.model_weights.copy_item_from(i, p.detach())
-            if group.main_weights is not None:
-                group.main_weights.copy_item_from(i, p.detach())
+            if p.device.type != "meta":  # meta parameters are filled when materialised
+                self.store_param_value(group, i, p.detach())
             # From here on the compute parameter is a view of the unsharded bucket.
             p.data = group.model_weights.item_in_bucket(i).view(p.shape)
         group.model_weights.free_bucket()
 
+    @torch.no_grad()
+    def store_param_value(self, group: ParameterGroup, index: int, value: torch.Tensor) -> None:
+        """Write a whole parameter value into the model- and main-weight buffers."""
+        group.model_weights.copy_item_from(index, value)
+        if group.main_weights is not None:
+            start, numel = group.optimizer_piece(index)
+            item_start = start - group.layout.item_range(index)[0]
+            if group.main_weights.is_distributed:
+                group.main_weights.global_view(start, numel).copy_(value.reshape(-1)[item_start : item_start + numel])
+            else:
+                group.main_weights.copy_item_from(index, value)
+
     def _make_dist_param(self, group: ParameterGroup, index: int) -> nn.Parameter:
         compute = group.params[index]
-        source = group.main_weight_source
-        if not self.strategy.shards_optimizer:
-            local = source.item_in_bucket(index).view(compute.shape)
-            return nn.Parameter(local, requires_grad=compute.requires_grad)
-        return nn.Parameter(self.as_dtensor(source.item_in_shard(index), compute), requires_grad=compute.requires_grad)
+        local = self._optimizer_view(group, group.main_weight_source, index)
+        value = local if not self.strategy.shards_optimizer else self.as_dtensor(group, local, compute)
+        return nn.Parameter(value, requires_grad=compute.requires_grad)
 
-    def as_dtensor(self, local: torch.Tensor, like: torch.Tensor) -> DTensor:
-        """Wrap a flat local shard as a DTensor with ``like``'s global shape.
+    def _optimizer_view(self, group: ParameterGroup, buffer: DataParallelBuffer, index: int) -> torch.Tensor:
+        """What the optimizer sees of item ``index`` in ``buffer``: the whole item
+        (shaped) for replicated groups, else its flat piece."""
+        if not group.strategy.shards_optimizer:
+            return buffer.item_in_bucket(index).view(group.params[index].shape)
+        start, numel = group.optimizer_piece(index)
+        return buffer.global_view(start, numel)
 
-        The local part is a 1-D slice of the flat buffer, possibly uneven or empty;
-        elementwise optimizer math only touches local data, so DTensor never needs
-        to re-derive the split (checkpointing supplies real offsets separately).
-        """
+    def as_dtensor(self, group: ParameterGroup, local: torch.Tensor, like: torch.Tensor) -> DTensor:
+        """Wrap a local piece as a DTensor with ``like``'s global shape.
+
+        A sharded piece is a 1-D slice of the flat buffer, possibly uneven or empty;
+        elementwise optimizer math only touches local data and norms reduce over the
+        mesh, so DTensor never needs to re-derive the split (checkpointing supplies
+        real offsets separately: see state_dict.py). Replicated groups inside a
+        sharded model become Replicate DTensors, so one optimizer sees one kind."""
+        placements = group.dp.placements
+        if not group.strategy.shards_optimizer:
+            placements = (Replicate(),) * group.dp.mesh.ndim
         return DTensor.from_local(
-            local,
-            self.dist_index.dp_shard_mesh,
-            [Shard(0)],
-            run_check=False,
-            shape=like.shape,
-            stride=like.stride(),
+            local, group.dp.mesh, placements, run_check=False, shape=like.shape, stride=like.stride()
         )
 
     # -- lookups ----------------------------------------------------------------
@@ -219,19 +274,16 @@ class ParamAndGradBuffer:
     def dist_slot(self, dist_param: nn.Parameter) -> Optional[tuple[ParameterGroup, int]]:
         return self._dist_slot.get(dist_param)
 
-    def named_dist_params(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """Distributed parameters in the module's ``named_parameters`` order."""
-        for p in self.param_names:
-            group, index = self._slot[p]
-            yield self.param_names[p], group.dist_params[index]
-
     def local_flat_start(self, dist_param: torch.Tensor) -> int:
         """Where this rank's part of a distributed parameter starts in the parameter's flat order."""
         group, index = self._dist_slot[dist_param]
-        if not self.strategy.shards_optimizer:
-            return 0
-        overlap = group.layout.overlap(index, group.main_weight_source.rank)
-        return 0 if overlap is None else overlap.item_start
+        return group.local_flat_start(index)
+
+    def named_dist_params(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """Distributed parameters in the module's ``named_parameters`` order."""
+        for p, name in self.param_names.items():
+            group, index = self._slot[p]
+            yield name, group.dist_params[index]
 
     @property
     def grad_groups(self) -> list[ParameterGroup]:
@@ -241,37 +293,34 @@ class ParamAndGradBuffer:
         return [g for g in self.groups if g.unit == unit]
 
     # -- gradients for the optimizer -------------------------------------------
-    def main_grad_view(self, group: ParameterGroup, index: int) -> torch.Tensor:
-        """The reduced gradient of item ``index`` as the optimizer sees it."""
-        assert group.main_grads is not None
-        compute = group.params[index]
-        if not self.strategy.shards_optimizer:
-            return group.main_grads.item_in_bucket(index).view(compute.shape)
-        return self.as_dtensor(group.main_grads.item_in_shard(index), compute)
-
     def attach_grads(self) -> None:
-        """Point every trainable distributed parameter's ``.grad`` at its reduced shard."""
+        """Point every trainable distributed parameter's ``.grad`` at its reduced piece."""
         for group in self.grad_groups:
             for index, dist_param in enumerate(group.dist_params):
-                grad = self.main_grad_view(group, index)
-                if grad.dtype != dist_param.dtype:
-                    # The optimizer needs grads in the main weights' dtype.
-                    grad = grad.to(dist_param.dtype)
+                local = self._optimizer_view(group, group.main_grads, index)
+                if local.dtype != dist_param.dtype:
+                    local = local.to(dist_param.dtype)  # the optimizer needs the main weights' dtype
+                grad = self.as_dtensor(group, local, group.params[index]) if isinstance(dist_param, DTensor) else local
                 dist_param.grad = grad
 
     # -- main -> model weights ---------------------------------------------------
     @torch.no_grad()
-    def copy_main_to_model_weights(self) -> None:
-        """Cast the optimizer's updated main weights into the model-weight buffer.
+    def copy_main_to_model_weights(self) -> list[ParameterGroup]:
+        """Cast the optimizer's updated main weights into the model-weight buffer,
+        where that is a local copy. Returns the HFSDP groups, whose model-weight
+        shard must instead be all-gathered from the outer group's pieces.
 
         Replicated model weights under a sharded optimizer (ZeRO-1/2) only receive
         this rank's shard here; the all-gather pipeline refreshes the rest.
         """
+        outer_gathers = []
         for group in self.groups:
-            if group.main_weights is None:
+            if group.hfsdp and group.strategy.shards_optimizer:
+                outer_gathers.append(group)
+            elif group.main_weights is None:
                 continue
-            if self.strategy.shards_optimizer:
-                target, source = group.model_weights.shard, group.main_weights.shard
+            elif group.strategy.shards_optimizer:
+                group.model_weights.shard.copy_(group.main_weights.shard)
             else:
-                target, source = group.model_weights.data, group.main_weights.data
-            target.copy_(source)
+                group.model_weights.data.copy_(group.main_weights.data)
+        return outer_gathers

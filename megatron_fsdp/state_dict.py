@@ -192,11 +192,7 @@ def get_full_state_dict(model: "MegatronFSDP", *, dtype: Optional[torch.dtype] =
     model.all_gather_pipeline.wait_all()
     full: dict[str, torch.Tensor] = {}
     for group in buffer.groups:
-        source = group.main_weight_source
-        flat = source.data
-        if source.is_distributed:
-            flat = torch.empty(group.layout.padded_numel, dtype=source.dtype, device=source.device)
-            collectives.all_gather(flat, source.data, source.group, async_op=False, label=f"export:{group.label}")
+        flat = _gather_main_weights(group)
         for index, (name, param) in enumerate(zip(group.names, group.params)):
             start, end = group.layout.item_range(index)
             value = flat[start:end].view(param.shape).clone()
@@ -205,6 +201,25 @@ def get_full_state_dict(model: "MegatronFSDP", *, dtype: Optional[torch.dtype] =
     for name, value in _persistent_buffers(model.module):
         out[name] = value.detach().clone()
     return out
+
+
+def _gather_main_weights(group) -> torch.Tensor:
+    """The unsharded main weights of one group: HFSDP pieces are first gathered
+    across the outer group into dp-shard shards, shards across the shard group."""
+    source = group.main_weight_source
+    if not source.is_distributed:
+        return source.data
+    flat = source.data
+    label = f"export:{group.label}"
+    if group.hfsdp and source is group.main_weights:
+        shard = torch.empty(group.layout.shard_numel, dtype=source.dtype, device=source.device)
+        collectives.all_gather(shard, flat, group.dp.outer_group, async_op=False, label=label)
+        flat = shard
+    if group.layout.world_size > 1:
+        full = torch.empty(group.layout.padded_numel, dtype=source.dtype, device=source.device)
+        collectives.all_gather(full, flat, group.dp.shard_group, async_op=False, label=label)
+        flat = full
+    return flat
 
 
 def save_full_state_dict(model: "MegatronFSDP", path: str, *, dtype: Optional[torch.dtype] = None) -> None:

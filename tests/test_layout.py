@@ -131,3 +131,17 @@ def test_flat_range_boxes_rejects_out_of_range():
 
     with pytest.raises(ValueError, match="outside"):
         flat_range_boxes((2, 3), 4, 7)
+
+
+def test_split_layout_refines_shards():
+    for sizes in [(10, 5, 3), (1,), (7, 13, 2)]:
+        for world, parts in [(2, 2), (2, 3), (4, 2), (1, 4)]:
+            coarse = BucketLayout(sizes, world, shard_divisor=parts)
+            fine = coarse.split(parts)
+            assert coarse.padded_numel == fine.padded_numel
+            assert coarse.shard_numel == parts * fine.shard_numel
+            for r in range(world):
+                start, _ = coarse.shard_range(r)
+                for p in range(parts):
+                    fine_start, _ = fine.shard_range(r * parts + p)
+                    assert fine_start == start + p * fine.shard_numel

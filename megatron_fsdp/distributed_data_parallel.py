@@ -1,0 +1,416 @@
+"""``FullyShardedDataParallel``: Megatron-FSDP behind Megatron-core's data-parallel
+wrapper interface.
+
+Megatron-LM's training loop drives a model chunk through a fixed set of methods
+(``no_sync``, ``start_grad_sync``, ``finish_grad_sync``, ``zero_grad_buffer``,
+``start_param_sync``, ``scale_gradients``, ``broadcast_params``,
+``sharded_state_dict``...) whatever the data-parallel implementation. This class
+offers that interface, with the constructor of Megatron-core's
+``FullyShardedDataParallel``, and delegates the work to an inner ``MegatronFSDP``
+(``self.module``; the user's model is ``self.module.module``).
+
+It accepts Megatron-core's ``DistributedDataParallelConfig`` as well as ours
+(``convert_ddp_config``) and its ``ProcessGroupCollection``; megatron-core itself
+is optional: with a plain PyTorch model and our config it is never imported.
+
+After ``finish_grad_sync()`` the reduced gradients sit in ``.grad`` of
+``parameters()`` (the distributed main weights), where a plain torch optimizer
+reads them; after its ``step()`` call ``install_optimized_model_weights()``, or
+wrap the optimizer with ``megatron_fsdp.fully_shard_optimizer`` to do both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from . import device as device_mod
+from . import megatron_core_compat as mcore
+from .config import DistributedDataParallelConfig
+from .distributed_index import FSDPDistributedIndex
+from .enums import ShardingStrategy
+from .megatron_fsdp import MegatronFSDP
+from .state_dict import get_full_state_dict
+
+logger = logging.getLogger(__name__)
+
+_EXTRA_STATE_SUFFIX = "._extra_state"
+_OUR_FIELDS = {f.name: f for f in dataclasses.fields(DistributedDataParallelConfig) if f.init}
+
+
+# -- configuration -------------------------------------------------------------------------
+def convert_ddp_config(ddp_config: Any) -> DistributedDataParallelConfig:
+    """Our ``DistributedDataParallelConfig`` from ours or Megatron-core's (or any
+    object with the same field names).
+
+    Fields both know are copied; fields ours lacks are dropped (logged when set
+    away from their default); fields the source lacks keep our defaults. Values
+    our config rejects raise its ``ValueError``; features the engine does not
+    implement (``nccl_ub``, ``fsdp_double_buffer``...) raise the engine's
+    ``NotImplementedError`` when the model is wrapped.
+    """
+    if isinstance(ddp_config, DistributedDataParallelConfig):
+        _check_uses_megatron_fsdp(ddp_config)
+        return ddp_config
+    if ddp_config is None or isinstance(ddp_config, (dict, str, int, float, bool)):
+        raise TypeError(
+            f"ddp_config={ddp_config!r} is not a DistributedDataParallelConfig; pass "
+            "megatron_fsdp.DistributedDataParallelConfig(...) or Megatron-core's "
+            "megatron.core.distributed.DistributedDataParallelConfig(use_megatron_fsdp=True, ...)"
+        )
+    _check_uses_megatron_fsdp(ddp_config)
+    values = {name: getattr(ddp_config, name) for name in _OUR_FIELDS if hasattr(ddp_config, name)}
+    ignored = _ignored_fields(ddp_config)
+    if ignored:
+        logger.warning(
+            "megatron_fsdp: ddp_config fields that FullyShardedDataParallel does not use were set and are ignored: %s",
+            ", ".join(f"{k}={v!r}" for k, v in ignored.items()),
+        )
+    return DistributedDataParallelConfig(**values)
+
+
+def _check_uses_megatron_fsdp(cfg: Any) -> None:
+    # Megatron-core's config defaults use_megatron_fsdp to False (plain DDP); its
+    # older name for the flag was use_custom_fsdp.
+    if not (getattr(cfg, "use_megatron_fsdp", True) or getattr(cfg, "use_custom_fsdp", False)):
+        raise ValueError(
+            "ddp_config.use_megatron_fsdp=False asks for Megatron-core's plain DistributedDataParallel, "
+            "not FullyShardedDataParallel; set use_megatron_fsdp=True (with data_parallel_sharding_strategy="
+            "'no_shard' for DDP-like training) or wrap the model with megatron.core.distributed."
+            "DistributedDataParallel"
+        )
+
+
+def _ignored_fields(cfg: Any) -> dict[str, Any]:
+    """Fields of a dataclass config that ours lacks and that differ from their default."""
+    if not dataclasses.is_dataclass(cfg):
+        return {}
+    ignored = {}
+    for field in dataclasses.fields(cfg):
+        if field.name in _OUR_FIELDS or field.name in ("use_custom_fsdp",):
+            continue
+        default = field.default
+        if default is dataclasses.MISSING and field.default_factory is not dataclasses.MISSING:
+            default = field.default_factory()
+        value = getattr(cfg, field.name, default)
+        if value != default:
+            ignored[field.name] = value
+    return ignored
+
+
+# -- process groups ------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _DataParallelGroups:
+    """The groups FSDP needs: shard over ``shard``; with HSDP replicate over ``outer``."""
+
+    shard: dist.ProcessGroup
+    outer: Optional[dist.ProcessGroup] = None
+    hybrid: Optional[dist.ProcessGroup] = None
+    """All data-parallel ranks (shard x outer) under HSDP."""
+    tp_size: int = 1
+
+
+def _groups_from_collection(pg_collection: Any, hsdp: bool) -> _DataParallelGroups:
+    tp = getattr(pg_collection, "tp", None)
+    tp_size = dist.get_world_size(tp) if tp is not None else 1
+    if hsdp:
+        names = ("intra_dp_cp", "inter_dist_opt", "dp_cp")
+        missing = [n for n in names if getattr(pg_collection, n, None) is None]
+        if missing:
+            raise ValueError(
+                f"pg_collection lacks {missing}, which num_distributed_optimizer_instances > 1 (HSDP) needs: "
+                "intra_dp_cp (shard group), inter_dist_opt (replica group) and dp_cp (all of them)"
+            )
+        return _DataParallelGroups(
+            pg_collection.intra_dp_cp, pg_collection.inter_dist_opt, pg_collection.dp_cp, tp_size
+        )
+    shard = getattr(pg_collection, "dp_cp", None)
+    if shard is None:
+        shard = getattr(pg_collection, "dp", None)
+    if shard is None:
+        raise ValueError("pg_collection has neither a dp_cp nor a dp group; set pg_collection.dp_cp to the data-parallel group")
+    return _DataParallelGroups(shard, tp_size=tp_size)
+
+
+def _groups_from_parallel_state(hsdp: bool) -> Optional[_DataParallelGroups]:
+    """Megatron-core's global groups when its parallel state is initialized
+    (as upstream does), else ``None``."""
+    ps = mcore.loaded_module("megatron.core.parallel_state")
+    if ps is None or not ps.model_parallel_is_initialized():
+        return None
+    tp_size = ps.get_tensor_model_parallel_world_size()
+    if hsdp:
+        return _DataParallelGroups(
+            ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True),
+            ps.get_inter_distributed_optimizer_instance_group(),
+            ps.get_data_parallel_group(with_context_parallel=True),
+            tp_size,
+        )
+    return _DataParallelGroups(ps.get_data_parallel_group(with_context_parallel=True), tp_size=tp_size)
+
+
+def _hsdp_mesh(groups: _DataParallelGroups, device_type: str) -> DeviceMesh:
+    """An (outer, shard) mesh over the hybrid group's ranks, laid out like
+    Megatron-core's (shard ranks contiguous); checked against the given groups."""
+    ranks = sorted(dist.get_process_group_ranks(groups.hybrid))
+    shard_size, outer_size = dist.get_world_size(groups.shard), dist.get_world_size(groups.outer)
+    grid = torch.tensor(ranks).reshape(outer_size, shard_size)
+    me = dist.get_rank()
+    row = next(r for r in grid.tolist() if me in r)
+    column = [r[row.index(me)] for r in grid.tolist()]
+    if sorted(row) != sorted(dist.get_process_group_ranks(groups.shard)) or sorted(column) != sorted(
+        dist.get_process_group_ranks(groups.outer)
+    ):
+        raise ValueError(
+            f"the HSDP groups do not form a contiguous (outer={outer_size}, shard={shard_size}) grid over ranks "
+            f"{ranks}; build them as Megatron-core's parallel_state does (shard groups of consecutive ranks)"
+        )
+    return DeviceMesh.from_group(
+        [groups.outer, groups.shard], device_type, mesh=grid.tolist(), mesh_dim_names=("outer_fsdp_dp", "dp_cp")
+    )
+
+
+def build_dist_index(
+    ddp_config: DistributedDataParallelConfig, device: torch.device, pg_collection: Any = None
+) -> Optional[FSDPDistributedIndex]:
+    """The distributed index for ``pg_collection``'s data-parallel group(s), else
+    Megatron-core's parallel state when initialized, else ``None`` (MegatronFSDP's
+    default: shard over the whole world)."""
+    hsdp = ddp_config.num_distributed_optimizer_instances > 1
+    if pg_collection is not None:
+        groups = _groups_from_collection(pg_collection, hsdp)
+    else:
+        groups = _groups_from_parallel_state(hsdp)
+    if groups is None:
+        if hsdp:
+            raise ValueError(
+                f"num_distributed_optimizer_instances={ddp_config.num_distributed_optimizer_instances} (HSDP) "
+                "needs its groups: pass pg_collection (intra_dp_cp, inter_dist_opt, dp_cp) or initialize "
+                "Megatron-core's parallel_state with that many instances"
+            )
+        return None
+    if groups.tp_size > 1:
+        raise NotImplementedError(
+            f"tensor parallelism (TP size {groups.tp_size}) is not supported by megatron_fsdp's "
+            "FullyShardedDataParallel; run with tensor_model_parallel_size=1"
+        )
+    device_type = device_mod.mesh_device_type(device)
+    if not hsdp:
+        mesh = DeviceMesh.from_group(groups.shard, device_type, mesh_dim_names=("dp_cp",))
+        return FSDPDistributedIndex(mesh, dp_shard_dim="dp_cp")
+    return FSDPDistributedIndex(
+        _hsdp_mesh(groups, device_type),
+        dp_shard_dim="dp_cp",
+        dp_outer_dim="outer_fsdp_dp",
+        hybrid_fsdp_group=groups.hybrid,
+        hsdp_outer_dp_shard=ddp_config.outer_sharding_strategy is not ShardingStrategy.NO_SHARD,
+    )
+
+
+def default_unit_modules(module: nn.Module, strategy: ShardingStrategy) -> list[type]:
+    """Megatron-core's layer classes the model uses; none for ``no_shard``, where
+    units only shape buckets and one bucket for the whole model is what DDP does."""
+    if strategy is ShardingStrategy.NO_SHARD:
+        return []
+    classes = mcore.megatron_core_unit_classes()
+    return [c for c in classes if any(isinstance(m, c) for m in module.modules())]
+
+
+def _config_flag(config: Any, name: str) -> bool:
+    return bool(getattr(config, name, False)) if config is not None else False
+
+
+# -- the wrapper ---------------------------------------------------------------------------
+class FullyShardedDataParallel(nn.Module):
+    """Megatron-core's data-parallel wrapper interface over ``MegatronFSDP``.
+
+    Args:
+        config: Megatron-core ``TransformerConfig`` (or any object with its field
+            names, or ``None``); read for ``calculate_per_token_loss`` and
+            ``init_model_with_meta_device``, and exposed as ``self.config`` for
+            Megatron-LM's ``get_model_config``.
+        ddp_config: ours or Megatron-core's ``DistributedDataParallelConfig``
+            with ``use_megatron_fsdp=True`` (see ``convert_ddp_config``).
+        module: the model to shard.
+        fsdp_unit_modules: module classes (or import paths) gathered and
+            reduced one instance at a time. Default: Megatron-core's layer
+            classes that the model uses (``TransformerLayer``, ``MambaLayer``),
+            none for ``no_shard``; with no layer class the whole model is one unit.
+        disable_bucketing: one collective per parameter instead of per unit.
+        device: where parameters and buffers live (default: CUDA under NCCL,
+            else CPU).
+        pg_collection: Megatron-core ``ProcessGroupCollection``; its ``dp_cp``
+            (or ``dp``) group is the shard group, plus ``intra_dp_cp`` /
+            ``inter_dist_opt`` under HSDP. Default: Megatron-core's parallel
+            state when initialized, else the whole world.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        ddp_config: Any,
+        module: nn.Module,
+        fsdp_unit_modules: Optional[Sequence[Any]] = None,
+        disable_bucketing: bool = False,
+        device: Optional[torch.device] = None,
+        pg_collection: Any = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.ddp_config = convert_ddp_config(ddp_config)
+        self.device = device_mod.resolve_device(device)
+        self.megatron_fsdp_dist_index = build_dist_index(self.ddp_config, self.device, pg_collection)
+        if fsdp_unit_modules is None:
+            fsdp_unit_modules = default_unit_modules(module, self.ddp_config.sharding_strategy)
+        self.fsdp_unit_modules = list(fsdp_unit_modules)
+        logger.info(
+            "megatron_fsdp: FullyShardedDataParallel(%s, units=%s)",
+            self.ddp_config.sharding_strategy.label,
+            [getattr(c, "__name__", c) for c in self.fsdp_unit_modules] or "<whole model>",
+        )
+        self.module = MegatronFSDP(
+            module,
+            dist_index=self.megatron_fsdp_dist_index,
+            ddp_config=self.ddp_config,
+            fsdp_unit_modules=self.fsdp_unit_modules,
+            disable_bucketing=disable_bucketing,
+            device=self.device,
+            calculate_per_token_loss=_config_flag(config, "calculate_per_token_loss"),
+            init_model_with_meta_device=_config_flag(config, "init_model_with_meta_device"),
+        )
+        self.param_and_grad_buffer = self.module.param_and_grad_buffer
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        return self.module(*inputs, **kwargs)
+
+    # -- the data-parallel interface Megatron-LM's training loop drives -------------------
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """Accumulate gradients of the enclosed backward passes without reducing
+        them (ZeRO-2/3 still reduce-scatter each microbatch; see MegatronFSDP.no_sync)."""
+        return self.module.no_sync()
+
+    def start_grad_sync(self, *unused: Any) -> None:
+        self.module.start_grad_sync()
+
+    def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
+        """Finish reducing gradients; afterwards ``p.grad`` of ``parameters()`` holds them.
+        ``force_all_reduce`` (Megatron DDP's flag for all-reduce instead of
+        reduce-scatter) has no meaning here: the strategy decides the collective."""
+        self.module.finish_grad_sync()
+
+    def scale_gradients(self, scaling_factor: float) -> None:
+        self.module.scale_gradients(scaling_factor)
+
+    def zero_grad_buffer(self) -> None:
+        self.module.zero_grad_buffer()
+
+    def start_param_sync(self, *unused: Any, force_sync: bool = False, force_dispatch: bool = False) -> None:
+        """Refresh replicated compute weights from the updated main weights (ZeRO-1/2).
+        ``force_dispatch`` is accepted for Megatron DDP compatibility and unused."""
+        self.module.start_param_sync(force_sync=force_sync)
+
+    def finish_param_sync(self) -> None:
+        self.module.finish_param_sync()
+
+    def install_optimized_model_weights(self) -> None:
+        """Copy the optimizer's main weights into the compute weights (after ``step()``)."""
+        self.module.install_optimized_model_weights()
+
+    def broadcast_params(self) -> None:
+        self.module.broadcast_params()
+
+    def stop_communication(self) -> None:
+        """Wait for every in-flight collective (before checkpointing or teardown)."""
+        self.module.finish_param_sync()
+        self.module.grad_reduce_pipeline.wait_all()
+
+    # -- parameters ---------------------------------------------------------------------
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """The distributed main weights (what the optimizer updates), named like the model's parameters."""
+        return self.module.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+
+    # -- state dicts ----------------------------------------------------------------------
+    def _extra_states(self) -> Iterator[tuple[str, nn.Module]]:
+        for name, m in self.module.module.named_modules():
+            if type(m).get_extra_state is not nn.Module.get_extra_state:
+                yield (name + _EXTRA_STATE_SUFFIX if name else _EXTRA_STATE_SUFFIX[1:]), m
+
+    def state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> dict:
+        """Main weights (DTensors where sharded), persistent buffers and modules'
+        extra state, keyed like the unwrapped model's ``state_dict``."""
+        out = self.module.state_dict(prefix=prefix, keep_vars=keep_vars)
+        for key, m in self._extra_states():
+            out[prefix + key] = m.get_extra_state()
+        if destination is not None:
+            destination.update(out)
+            return destination
+        return out
+
+    def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False) -> dict:
+        return self.state_dict(prefix=prefix, keep_vars=keep_vars)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False):
+        """Load our ``state_dict()`` (same sharding) or full tensors, e.g. the state
+        dict of an unwrapped model or of Megatron-core's DDP."""
+        extra = {m_key: m for m_key, m in self._extra_states()}
+        weights = {k: v for k, v in state_dict.items() if k not in extra}
+        result = self.module.load_state_dict(weights, strict=strict, assign=assign)
+        for key, m in extra.items():
+            if key in state_dict:
+                m.set_extra_state(state_dict[key])
+        return result
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        """Megatron-core distributed-checkpointing state dict: the wrapped model's
+        own ``sharded_state_dict`` (its keys, replica ids, extra-state objects) with
+        every parameter's value replaced by its full main weights.
+
+        The full weights are gathered (a collective over the shard group, model-
+        sized memory on every rank): Megatron-core's ``ShardedTensor`` needs shards
+        on a regular grid, which our flat, uneven shards are not. For per-rank
+        shards use ``state_dict()`` with torch.distributed.checkpoint.
+        """
+        mcore.require_megatron_core("FullyShardedDataParallel.sharded_state_dict")
+        from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        model = self.module.module
+        if not hasattr(model, "sharded_state_dict"):
+            raise TypeError(
+                f"{type(model).__name__} has no sharded_state_dict(); it is not a Megatron-core module. "
+                "Use state_dict() with torch.distributed.checkpoint instead"
+            )
+        full = get_full_state_dict(self.module)
+        name_of = {id(p): name for p, name in self.param_and_grad_buffer.param_names.items()}
+        sharded = model.sharded_state_dict(prefix, sharded_offsets, metadata)
+        matched: set[str] = set()
+
+        def with_main_weights(item: Any) -> Any:
+            if isinstance(item, ShardedTensor) and id(item.data) in name_of:
+                name = name_of[id(item.data)]
+                value = full[name]
+                if value.shape != item.data.shape:
+                    raise NotImplementedError(
+                        f"{item.key}: the local tensor {tuple(item.data.shape)} is a tensor-parallel slice; "
+                        "FullyShardedDataParallel supports TP = 1 only"
+                    )
+                item.data = value
+                matched.add(name)
+            return item
+
+        dict_list_map_inplace(with_main_weights, sharded)
+        unmatched = set(name_of.values()) - matched
+        if unmatched:
+            # The model put these parameters in its sharded state dict through
+            # copies or views we cannot recognise: they would carry compute weights.
+            logger.warning("megatron_fsdp: sharded_state_dict kept the model's own tensors for %s", sorted(unmatched))
+        return sharded
