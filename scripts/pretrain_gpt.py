@@ -177,6 +177,12 @@ def run(args, device: torch.device) -> int:
         maybe_evaluate(args, ctx, state, valid_src, metrics)
     if dist.get_rank() == 0:
         write_outputs(args, metrics)
+    # Leave together, with no collective in flight: a ZeRO-1/2 step ends with an
+    # asynchronous weight gather, and gloo aborts a process whose group is torn down
+    # under a pending operation or a peer that is still busy.
+    if hasattr(bundle.model, "finish_param_sync"):
+        bundle.model.finish_param_sync()
+    dist.barrier()
     return 0
 
 
