@@ -1,0 +1,87 @@
+"""What each implementation should move and hold: the theoretical minimum bytes per
+collective per step, and the ZeRO memory formula per rank. Pure arithmetic.
+
+[Note: the wrapping-aware minimum]
+Both FSDP2 and megatron_fsdp shard the transformer blocks as units; the
+parameters outside every block (embeddings, final norm, the tied head: the "root")
+are gathered once before forward and kept until backward ends, since the
+embedding is used first in forward and last in backward. So a ZeRO-3 step gathers
+the block parameters twice and the root parameters once::
+
+    all_gather     = elem * (2 * P_blocks + P_root)      (textbook ZeRO-3: 2 * P)
+    reduce_scatter = elem * P
+
+The records carry both numbers; the test compares with the wrapping-aware one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .config import Family, ImplSpec
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ParamCounts:
+    total: int
+    """Unique parameters (tied weights counted once)."""
+    root: int
+    """Parameters outside every transformer block."""
+
+    @property
+    def blocks(self) -> int:
+        return self.total - self.root
+
+
+def min_comm_bytes(spec: ImplSpec, counts: ParamCounts, elem: int) -> dict[str, int]:
+    """Least payload per step per collective kind (``elem``: bytes per element on the wire)."""
+    if spec.zero_level == 0:
+        # DDP / ZeRO-0: one all-reduce of the gradients.
+        return {"all_reduce": elem * counts.total}
+    gathered = 2 * counts.blocks + counts.root if spec.gathers_params_twice else counts.total
+    return {"all_gather": elem * gathered, "reduce_scatter": elem * counts.total}
+
+
+def textbook_comm_bytes(spec: ImplSpec, counts: ParamCounts, elem: int) -> dict[str, int]:
+    """The same, ignoring that the root stays gathered (ZeRO-3 all-gathers 2 * P)."""
+    if spec.zero_level == 0:
+        return {"all_reduce": elem * counts.total}
+    factor = 2 if spec.gathers_params_twice else 1
+    return {"all_gather": elem * factor * counts.total, "reduce_scatter": elem * counts.total}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ElementSizes:
+    """Bytes per element of each kind of state, as the implementation stores it."""
+
+    weights: int
+    """Compute (model) weights."""
+    main_weights: int = 4
+    grads: int = 4
+    optimizer_state: int = 8
+    """AdamW: exp_avg + exp_avg_sq, fp32."""
+
+
+def zero_formula(level: int, counts: ParamCounts, world: int, sizes: ElementSizes) -> dict[str, float]:
+    """Textbook ZeRO per-rank bytes: 0 all replicated; 1 optimizer state / W; 2 grads / W too;
+    3 weights / W too. No separate main weights."""
+    p = counts.total
+    return {
+        "weights": sizes.weights * p / (world if level >= 3 else 1),
+        "main_weights": 0.0,
+        "grads": sizes.grads * p / (world if level >= 2 else 1),
+        "optimizer_state": sizes.optimizer_state * p / (world if level >= 1 else 1),
+    }
+
+
+def expected_memory(spec: ImplSpec, counts: ParamCounts, world: int, sizes: ElementSizes) -> dict[str, float]:
+    """The formula the implementation's persistent memory should match.
+
+    megatron_fsdp keeps a main-weight buffer beside the model weights (fp32 by
+    default, even when the model itself is fp32), replicated at ZeRO-0 and sharded
+    like the optimizer state from ZeRO-1 on; the rest is the textbook formula.
+    """
+    formula = zero_formula(spec.zero_level, counts, world, sizes)
+    if spec.family is Family.MEGATRON_FSDP:
+        formula["main_weights"] = sizes.main_weights * counts.total / (world if spec.zero_level >= 1 else 1)
+    return formula
