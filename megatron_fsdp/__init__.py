@@ -5,6 +5,7 @@ from .config import DistributedDataParallelConfig
 from .distributed_index import FSDPDistributedIndex
 from .enums import BucketStatus, ShardingStrategy, TrainingState
 from .fully_shard import fully_shard, fully_shard_model, fully_shard_optimizer
+from .marks import fsdp_no_shard
 from .megatron_fsdp import MegatronFSDP
 from .mixed_precision import MixedPrecisionPolicy
 from .checkpoint import load_checkpoint, save_checkpoint
@@ -19,6 +20,7 @@ __all__ = [
     "MixedPrecisionPolicy",
     "ShardingStrategy",
     "TrainingState",
+    "fsdp_no_shard",
     "fully_shard",
     "fully_shard_model",
     "fully_shard_optimizer",

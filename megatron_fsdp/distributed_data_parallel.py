@@ -29,7 +29,7 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from . import device as device_mod
 from . import megatron_core_compat as mcore
@@ -147,9 +147,16 @@ def _groups_from_parallel_state(hsdp: bool) -> Optional[_DataParallelGroups]:
         return None
     tp_size = ps.get_tensor_model_parallel_world_size()
     if hsdp:
+        outer = ps.get_inter_distributed_optimizer_instance_group(check_initialized=False)
+        if outer is None:
+            raise ValueError(
+                "num_distributed_optimizer_instances > 1 (HSDP), but Megatron-core's parallel_state was "
+                "initialized without distributed optimizer instances; pass the same "
+                "num_distributed_optimizer_instances to parallel_state.initialize_model_parallel()"
+            )
         return _DataParallelGroups(
             ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True),
-            ps.get_inter_distributed_optimizer_instance_group(),
+            outer,
             ps.get_data_parallel_group(with_context_parallel=True),
             tp_size,
         )
@@ -177,31 +184,44 @@ def _hsdp_mesh(groups: _DataParallelGroups, device_type: str) -> DeviceMesh:
     )
 
 
+def _world_hsdp_index(ddp_config: DistributedDataParallelConfig, device_type: str) -> FSDPDistributedIndex:
+    """HSDP over the whole world when no groups were given: ``instances`` replicas
+    of shard groups of consecutive ranks, as Megatron-core lays them out."""
+    instances, world = ddp_config.num_distributed_optimizer_instances, dist.get_world_size()
+    if world % instances:
+        raise ValueError(
+            f"num_distributed_optimizer_instances={instances} does not divide the world size {world}; "
+            f"use one of {[d for d in range(1, world + 1) if world % d == 0]}"
+        )
+    mesh = init_device_mesh(device_type, (instances, world // instances), mesh_dim_names=("outer_fsdp_dp", "dp_cp"))
+    return FSDPDistributedIndex(
+        mesh,
+        dp_shard_dim="dp_cp",
+        dp_outer_dim="outer_fsdp_dp",
+        hybrid_fsdp_group=dist.group.WORLD,
+        hsdp_outer_dp_shard=ddp_config.outer_sharding_strategy is not ShardingStrategy.NO_SHARD,
+    )
+
+
 def build_dist_index(
     ddp_config: DistributedDataParallelConfig, device: torch.device, pg_collection: Any = None
 ) -> Optional[FSDPDistributedIndex]:
     """The distributed index for ``pg_collection``'s data-parallel group(s), else
-    Megatron-core's parallel state when initialized, else ``None`` (MegatronFSDP's
-    default: shard over the whole world)."""
+    Megatron-core's parallel state when initialized, else the whole world (``None``
+    without HSDP: MegatronFSDP's default mesh)."""
     hsdp = ddp_config.num_distributed_optimizer_instances > 1
     if pg_collection is not None:
         groups = _groups_from_collection(pg_collection, hsdp)
     else:
         groups = _groups_from_parallel_state(hsdp)
+    device_type = device_mod.mesh_device_type(device)
     if groups is None:
-        if hsdp:
-            raise ValueError(
-                f"num_distributed_optimizer_instances={ddp_config.num_distributed_optimizer_instances} (HSDP) "
-                "needs its groups: pass pg_collection (intra_dp_cp, inter_dist_opt, dp_cp) or initialize "
-                "Megatron-core's parallel_state with that many instances"
-            )
-        return None
+        return _world_hsdp_index(ddp_config, device_type) if hsdp else None
     if groups.tp_size > 1:
         raise NotImplementedError(
             f"tensor parallelism (TP size {groups.tp_size}) is not supported by megatron_fsdp's "
             "FullyShardedDataParallel; run with tensor_model_parallel_size=1"
         )
-    device_type = device_mod.mesh_device_type(device)
     if not hsdp:
         mesh = DeviceMesh.from_group(groups.shard, device_type, mesh_dim_names=("dp_cp",))
         return FSDPDistributedIndex(mesh, dp_shard_dim="dp_cp")

@@ -52,6 +52,33 @@ def build_default_mesh(device_type: str, dp_shard_dim: str = DEFAULT_DP_SHARD_DI
     return _default_meshes[key]
 
 
+def build_hybrid_mesh(
+    device_type: str,
+    outer_size: int,
+    *,
+    dp_outer_dim: str = "dp_outer",
+    dp_shard_dim: str = "dp_shard",
+    tp_dim: str = DEFAULT_TP_DIM,
+) -> DeviceMesh:
+    """An (outer, shard, 1) mesh for HSDP/HFSDP: ``outer_size`` replicas (Megatron's
+    ``num_distributed_optimizer_instances``) of a shard group. Cached like the default."""
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialized; call init_process_group() first")
+    world = dist.get_world_size()
+    if outer_size < 1 or world % outer_size:
+        divisors = [d for d in range(1, world + 1) if world % d == 0]
+        raise ValueError(
+            f"num_distributed_optimizer_instances={outer_size} does not divide the world size {world}; "
+            f"use one of {divisors}"
+        )
+    key = (id(dist.group.WORLD), device_type, world, outer_size, dp_outer_dim, dp_shard_dim, tp_dim)
+    if key not in _default_meshes:
+        _default_meshes[key] = init_device_mesh(
+            device_type, (outer_size, world // outer_size, 1), mesh_dim_names=(dp_outer_dim, dp_shard_dim, tp_dim)
+        )
+    return _default_meshes[key]
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class DataParallelGroups:
     """The data-parallel topology one parameter group lives on.

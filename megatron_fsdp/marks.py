@@ -43,10 +43,15 @@ def is_fsdp_no_shard(param: torch.Tensor) -> bool:
     return param in _NO_SHARD
 
 
-def transfer_marks(old: torch.Tensor, new: torch.Tensor) -> None:
-    """Carry marks over when a parameter object is replaced (meta-device init)."""
-    if old in _NO_SHARD:
-        _NO_SHARD[new] = True
+def pop_marks(param: torch.Tensor) -> bool:
+    """Remove ``param``'s marks (and the registry's weak reference to it); returns
+    whether it was marked. ``torch.utils.swap_tensors`` refuses weakly referenced tensors."""
+    return _NO_SHARD.pop(param, False)
+
+
+def restore_marks(param: torch.Tensor, marked: bool) -> None:
+    if marked:
+        _NO_SHARD[param] = True
 
 
 def is_expert_param(param: torch.Tensor) -> bool:

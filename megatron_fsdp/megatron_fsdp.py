@@ -20,6 +20,8 @@ from .distributed_index import FSDPDistributedIndex, build_default_mesh
 from .enums import ShardingStrategy
 from .grad_reduce_pipeline import GradReducePipeline, GradReduceOptions
 from .hooks import FSDPUnit, HookRuntime
+from .marks import is_fsdp_no_shard
+from .meta_init import has_meta_tensors, materialize_meta_module
 from .mixed_precision import MixedPrecisionPolicy
 from .param_and_grad_buffer import ParamAndGradBuffer
 
@@ -87,11 +89,11 @@ class MegatronFSDP(nn.Module):
         self.calculate_per_token_loss = calculate_per_token_loss
         self.report_nan_in_param_grads = report_nan_in_param_grad
         self.last_nan_report: list[str] = []
-        self._check_supported(init_model_with_meta_device, enable_fine_grained_param_gather_hook)
-        _check_module(module, self.device)
+        self._check_supported()
+        _check_module(module, self.device, allow_meta=init_model_with_meta_device)
         self.module = module
 
-        units = self._find_units(module, resolve_unit_classes(fsdp_unit_modules))
+        units = self._find_units(module, resolve_unit_classes(fsdp_unit_modules), enable_fine_grained_param_gather_hook)
         self.param_and_grad_buffer = ParamAndGradBuffer(
             module,
             unit_modules=[m for _, m in units],
@@ -102,6 +104,9 @@ class MegatronFSDP(nn.Module):
             disable_bucketing=disable_bucketing,
         )
         buffer = self.param_and_grad_buffer
+        self.init_peak_param_bytes = 0
+        if init_model_with_meta_device and has_meta_tensors(module):
+            self.init_peak_param_bytes = materialize_meta_module(module, buffer, self.device)
         self.all_gather_pipeline = AllGatherPipeline()
         self.grad_reduce_pipeline = GradReducePipeline(
             buffer.groups,
@@ -130,11 +135,9 @@ class MegatronFSDP(nn.Module):
             _OWNERS[dist_param] = self
 
     # -- construction helpers -----------------------------------------------------
-    def _check_supported(self, meta_init: bool, fine_grained: bool) -> None:
+    def _check_supported(self) -> None:
         cfg = self.ddp_config
         unsupported = {
-            "init_model_with_meta_device=True (meta-device initialization)": meta_init,
-            "enable_fine_grained_param_gather=True (per-module gathering)": fine_grained,
             "fsdp_double_buffer=True (fixed double-buffer allocator)": cfg.fsdp_double_buffer,
             "nccl_ub=True (NCCL user-buffer registration)": cfg.nccl_ub,
             "keep_fp8_transpose_cache=True (TransformerEngine FP8 parameters)": cfg.keep_fp8_transpose_cache,
@@ -144,7 +147,9 @@ class MegatronFSDP(nn.Module):
             if requested:
                 raise NotImplementedError(f"{feature} is not implemented in this version of megatron_fsdp")
 
-    def _find_units(self, module: nn.Module, classes: tuple[type, ...]) -> list[tuple[str, nn.Module]]:
+    def _find_units(
+        self, module: nn.Module, classes: tuple[type, ...], fine_grained: bool
+    ) -> list[tuple[str, nn.Module]]:
         if classes:
             units = [(name or "<root>", m) for name, m in module.named_modules() if isinstance(m, classes)]
             if not units:
@@ -152,13 +157,17 @@ class MegatronFSDP(nn.Module):
                     f"no module of the model is an instance of fsdp_unit_modules={[c.__name__ for c in classes]}; "
                     "name classes the model actually uses"
                 )
-            return units
-        if self.strategy is ShardingStrategy.NO_SHARD:
+        elif self.strategy is ShardingStrategy.NO_SHARD:
             return []
-        logger.info(
-            "megatron_fsdp: no fsdp_unit_modules given; the whole %s is one FSDP unit", type(module).__name__
-        )
-        return [("<root>", module)]
+        else:
+            logger.info(
+                "megatron_fsdp: no fsdp_unit_modules given; the whole %s is one FSDP unit", type(module).__name__
+            )
+            units = [("<root>", module)]
+        if fine_grained:
+            units = _split_into_parameter_owners(units)
+        # Units whose parameters all stay replicated need no gathering hooks.
+        return [(name, m) for name, m in units if not all(is_fsdp_no_shard(p) for p in m.parameters())]
 
     def _grad_options(self) -> GradReduceOptions:
         cfg = self.ddp_config
@@ -338,12 +347,25 @@ class MegatronFSDP(nn.Module):
         return self.param_and_grad_buffer.accounting
 
 
-def _check_module(module: nn.Module, device: torch.device) -> None:
+def _split_into_parameter_owners(units: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """Fine-grained gathering: every module that owns parameters directly inside a
+    unit becomes a unit of its own, so weights are gathered per module."""
+    out: list[tuple[str, nn.Module]] = []
+    seen: set[int] = set()
+    for unit_name, unit in units:
+        for name, m in unit.named_modules():
+            if id(m) not in seen and any(True for _ in m.parameters(recurse=False)):
+                seen.add(id(m))
+                out.append((f"{unit_name}.{name}" if name else unit_name, m))
+    return out
+
+
+def _check_module(module: nn.Module, device: torch.device, *, allow_meta: bool = False) -> None:
     params = list(module.named_parameters())
     if not params:
         raise ValueError(f"{type(module).__name__} has no parameters; there is nothing for megatron_fsdp to shard")
     for name, p in params:
-        if p.device != device:
+        if p.device != device and not (allow_meta and p.device.type == "meta"):
             raise ValueError(
                 f"parameter {name!r} is on {p.device} but megatron_fsdp was given device={device}; "
                 f"move the model first (module.to({str(device)!r})) or pass device={str(p.device)!r}"

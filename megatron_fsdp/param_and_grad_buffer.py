@@ -145,6 +145,7 @@ class ParamAndGradBuffer:
         self.accounting = BufferAccounting()
         self.allocator = StorageResizeAllocator(self.accounting)
         self.param_names: dict[nn.Parameter, str] = {p: name for name, p in module.named_parameters()}
+        self._bucket_views: dict[nn.Parameter, torch.Tensor] = {}
         self.groups: list[ParameterGroup] = self._build_groups(module, unit_modules)
         self._slot = {p: (g, i) for g in self.groups for i, p in enumerate(g.params)}
         self._dist_slot = {p: (g, i) for g in self.groups for i, p in enumerate(g.dist_params)}
@@ -167,8 +168,11 @@ class ParamAndGradBuffer:
         dp = self.dist_index.groups_for(is_expert)
         strategy = ShardingStrategy.NO_SHARD if no_shard else self.strategy
         numels = tuple(p.numel() for p in params)
-        layout = BucketLayout(numels, dp.shard_size, shard_divisor=dp.optimizer_parts)
+        # Pad shards to split evenly across the outer group under HSDP too, so that
+        # HSDP and HFSDP buffers compare exactly (half the main weights per rank).
+        layout = BucketLayout(numels, dp.shard_size, shard_divisor=dp.outer_size)
         optimizer_layout = layout.split(dp.optimizer_parts) if strategy.shards_optimizer else layout
+
 
         def make(role: str, buf_dtype: torch.dtype, buf_layout: BucketLayout, rank: int, distributed: bool):
             return DataParallelBuffer(
@@ -219,12 +223,18 @@ class ParamAndGradBuffer:
     def _fill_and_repoint(self, group: ParameterGroup) -> None:
         # Views can only be cut from allocated storage; they survive its release.
         group.model_weights.allocate_bucket()
+        views = [group.model_weights.item_in_bucket(i).view(p.shape) for i, p in enumerate(group.params)]
+        group.model_weights.free_bucket()
+        self._bucket_views.update(zip(group.params, views))
         for i, p in enumerate(group.params):
             if p.device.type != "meta":  # meta parameters are filled when materialised
                 self.store_param_value(group, i, p.detach())
-            # From here on the compute parameter is a view of the unsharded bucket.
-            p.data = group.model_weights.item_in_bucket(i).view(p.shape)
-        group.model_weights.free_bucket()
+                self.repoint(group, i)
+
+    def repoint(self, group: ParameterGroup, index: int) -> None:
+        """From here on the compute parameter is a view of the unsharded bucket."""
+        param = group.params[index]
+        param.data = self._bucket_views[param]
 
     @torch.no_grad()
     def store_param_value(self, group: ParameterGroup, index: int, value: torch.Tensor) -> None:

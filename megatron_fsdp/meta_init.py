@@ -1,0 +1,90 @@
+"""Meta-device initialisation: materialise a model built under ``torch.device("meta")``
+one module at a time, straight into the (sharded) buffers.
+
+Modules are visited in registration order, which is their construction order, and
+each runs its own ``reset_parameters()``: the random stream is consumed exactly as
+an eager build would, so the same seed gives the same weights. A weight tied to an
+earlier module (an output head sharing the embedding) is re-initialised by its
+second owner as in an eager build, then restored, since tying discards that value.
+
+Parameter objects keep their identity (``torch.utils.swap_tensors``), so hooks,
+``fsdp_no_shard`` marks and attributes such as Megatron's ``tensor_model_parallel``
+survive. At most one module's full parameters exist at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn as nn
+
+from .marks import pop_marks, restore_marks
+from .param_and_grad_buffer import ParamAndGradBuffer
+
+logger = logging.getLogger(__name__)
+
+
+def has_meta_tensors(module: nn.Module) -> bool:
+    return any(t.device.type == "meta" for t in list(module.parameters()) + list(module.buffers()))
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _materialize_in_place(param: nn.Parameter, device: torch.device) -> None:
+    attributes = dict(param.__dict__)
+    marked = pop_marks(param)
+    real = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device), requires_grad=param.requires_grad)
+    torch.utils.swap_tensors(param, real)
+    param.__dict__.update(attributes)
+    restore_marks(param, marked)
+
+
+@torch.no_grad()
+def materialize_meta_module(module: nn.Module, buffer: ParamAndGradBuffer, device: torch.device) -> int:
+    """Materialise every meta parameter/buffer of ``module``; returns the peak bytes
+    of full parameter values alive at once (one module's worth)."""
+    accounting = buffer.accounting
+    peak_before, accounting.peak_temporary = accounting.peak_temporary, accounting.temporary
+    for name, sub in module.named_modules():
+        own = [p for _, p in sub.named_parameters(recurse=False)]
+        meta_params = [p for p in own if p.device.type == "meta"]
+        meta_buffers = [n for n, b in sub.named_buffers(recurse=False) if b.device.type == "meta"]
+        if not meta_params and not meta_buffers:
+            continue
+        if not callable(getattr(sub, "reset_parameters", None)):
+            raise ValueError(
+                f"module {name or '<root>'!r} ({type(sub).__name__}) has tensors on the meta device but no "
+                "reset_parameters(); implement reset_parameters() for it, or build it on a real device"
+            )
+        # Parameters already materialised (a weight tied to an earlier module) get
+        # scratch storage: reset_parameters() writes them as an eager build would,
+        # and the value in the buffers, the one an eager build keeps, stays.
+        earlier = [p for p in own if p.device.type != "meta" and p in buffer.param_names]
+        for p in earlier:
+            p.data = torch.empty(p.shape, dtype=p.dtype, device=device)
+        for p in meta_params:
+            _materialize_in_place(p, device)
+        for n in meta_buffers:
+            sub._buffers[n] = torch.empty_like(sub._buffers[n], device=device)
+        scratch = _nbytes(meta_params + earlier)
+        accounting.on_alloc(scratch)
+        sub.reset_parameters()
+        for p in meta_params:
+            group, index = buffer.slot(p)
+            buffer.store_param_value(group, index, p.detach())
+        for p in meta_params + earlier:
+            buffer.repoint(*buffer.slot(p))
+        accounting.on_free(scratch)
+    peak = accounting.peak_temporary
+    accounting.peak_temporary = max(peak_before, peak)
+    if has_meta_tensors(module):
+        left = [n for n, t in list(module.named_parameters()) + list(module.named_buffers()) if t.device.type == "meta"]
+        raise ValueError(f"meta-device tensors were not materialised: {left}; give their modules reset_parameters()")
+    return peak
+
+
+def _resets(module: nn.Module) -> bool:
+    return callable(getattr(module, "reset_parameters", None))
