@@ -91,7 +91,7 @@ def checkpoint_extra_state(ctx: StepContext, state: TrainState) -> dict:
 
 def restore(args, ctx: StepContext, state: TrainState) -> None:
     optimizer = None if args.no_load_optim else ctx.bundle.optimizer
-    extra = checkpointing.load(args.load, ctx.bundle.model, optimizer)
+    extra = checkpointing.load(args.load, ctx.bundle.model, optimizer, step=args.ckpt_step)
     if not extra:
         return
     state.load_state_dict(extra["train_state"])
@@ -135,9 +135,11 @@ def train(args, ctx: StepContext, state: TrainState, train_src, valid_src, metri
                 learning_rate=result.learning_rate, global_batch_size=args.global_batch_size,
                 loss_scale=result.loss_scale))
             stats = IntervalStats()
-            if not memory_logged:  # Megatron-LM reports memory once, after the first interval
-                metrics.memory = log_memory(ctx.bundle.model, ctx.device, state.iteration)
-                memory_logged = True
+        # Megatron-LM reports memory once, after the first log interval (or at the
+        # end of a run shorter than one interval).
+        if not memory_logged and (state.iteration % args.log_interval == 0 or state.iteration == args.train_iters):
+            metrics.memory = log_memory(ctx.bundle.model, ctx.device, state.iteration)
+            memory_logged = True
 
         if args.eval_iters and state.iteration % args.eval_interval == 0:
             maybe_evaluate(args, ctx, state, valid_src, metrics)

@@ -3,8 +3,8 @@
 * DDP and Megatron-FSDP (each of the four strategies) train the same tiny GPT on the
   same deterministic global batches: the loss falls and every iteration's loss of
   every FSDP run equals DDP's within 1e-4.
-* A run saved at iteration 10 and resumed in a fresh process to 20 reproduces the
-  uninterrupted run.
+* A run saves Megatron-style checkpoints at iterations 10 and 20; a fresh process
+  resuming from iteration 10 reproduces the uninterrupted run's iterations 11-20.
 * Bad flags / config files exit non-zero with a message naming the value and the fix.
 
 The training runs are launched once per module (about 5 s each on 2 cores) and
@@ -21,8 +21,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from megatron_fsdp.training.arguments import ArgumentError, parse_args
+from megatron_fsdp import device as device_mod
+from megatron_fsdp.training.arguments import ArgumentError, LRDecayStyle, parse_args
+from megatron_fsdp.training.data import BatchLayout, TextDataset
+from megatron_fsdp.training.lr_schedule import LRSchedule
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "pretrain_gpt.py"
@@ -62,16 +66,18 @@ def load_metrics(path: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    """The DDP reference and one run per Megatron-FSDP strategy: {name: (metrics, stdout)}."""
+    """The DDP reference and one run per Megatron-FSDP strategy: {name: (metrics, stdout, extra)}.
+    The optim_grads_params run also saves checkpoints at iterations 10 and 20."""
     out = tmp_path_factory.mktemp("pretrain_runs")
     results = {}
     proc = run_ok(TINY + ["--log-json", str(out / "ddp.json"), "--plot-path", str(out / "ddp.png")])
     results["ddp"] = (load_metrics(out / "ddp.json"), proc.stdout, out / "ddp.png")
     for strategy in STRATEGIES:
         path = out / f"{strategy}.json"
+        save = ["--save", str(out / "ckpt"), "--save-interval", "10"] if strategy == "optim_grads_params" else []
         proc = run_ok(TINY + FSDP + ["--data-parallel-sharding-strategy", strategy,
-                                     "--log-json", str(path), "--plot-path", "none"])
-        results[strategy] = (load_metrics(path), proc.stdout, None)
+                                     "--log-json", str(path), "--plot-path", "none", *save])
+        results[strategy] = (load_metrics(path), proc.stdout, out / "ckpt" if save else None)
     return results
 
 
@@ -115,21 +121,26 @@ def test_log_lines_follow_megatron_format(runs):
     assert "validation loss at iteration 10" in stdout
 
 
-def test_resume_reproduces_uninterrupted_run(runs, tmp_path):
-    reference = runs["optim_grads_params"][0]
-    ckpt = tmp_path / "ckpt"
-    args = TINY + FSDP + ["--plot-path", "none", "--save", str(ckpt), "--save-interval", "10"]
-    run_ok(args + ["--exit-interval", "10", "--log-json", str(tmp_path / "first.json")])
-    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "10"
-    assert sorted(p.name for p in ckpt.iterdir()) == ["iter_0000010", "latest_checkpointed_iteration.txt"]
-
-    proc = run_ok(args + ["--load", str(ckpt), "--log-json", str(tmp_path / "second.json")])
-    assert "resuming at iteration 10" in proc.stdout
-    first, second = load_metrics(tmp_path / "first.json"), load_metrics(tmp_path / "second.json")
-    assert first["iterations"] == list(range(1, 11)) and second["iterations"] == list(range(11, 21))
-    for it, a, b in zip(range(1, 21), first["lm_loss"] + second["lm_loss"], reference["lm_loss"]):
-        assert abs(a - b) <= 1e-6, f"iteration {it}: resumed {a} vs uninterrupted {b}"
+def test_checkpoints_follow_megatron_layout(runs):
+    _, stdout, ckpt = runs["optim_grads_params"]
+    # Saving did not perturb training: that run still matched DDP (test above).
+    assert sorted(p.name for p in ckpt.iterdir()) == ["iter_0000010", "iter_0000020",
+                                                      "latest_checkpointed_iteration.txt"]
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "20"
+    assert "successfully saved checkpoint from iteration      10" in stdout
+
+
+def test_resume_reproduces_uninterrupted_run(runs, tmp_path):
+    reference, _, ckpt = runs["optim_grads_params"]
+    # A fresh process picks the run up at its iteration-10 checkpoint and trains to 20.
+    proc = run_ok(TINY + FSDP + ["--plot-path", "none", "--load", str(ckpt), "--ckpt-step", "10",
+                                 "--log-json", str(tmp_path / "resumed.json")])
+    assert "resuming at iteration 10, 80 samples consumed" in proc.stdout
+    resumed = load_metrics(tmp_path / "resumed.json")
+    assert resumed["iterations"] == list(range(11, 21))
+    for it, a, b in zip(range(11, 21), resumed["lm_loss"], reference["lm_loss"][10:]):
+        assert abs(a - b) <= 1e-6, f"iteration {it}: resumed {a} vs uninterrupted {b}"
+    assert resumed["validation"] == [[20, pytest.approx(reference["validation"][1][1], abs=1e-6)]]
 
 
 # -- bad flags ----------------------------------------------------------------------
@@ -184,6 +195,7 @@ def _parse(extra: list[str], world_size: int = 2):
         (["--max-position-embeddings", "16"], 2, "raise it to at least 32"),
         (["--min-lr", "1.0"], 2, "--min-lr=1.0 is larger than --lr"),
         (["--save", "/tmp/x"], 2, "needs a positive --save-interval"),
+        (["--ckpt-step", "10"], 2, "--ckpt-step=10 needs --load DIR"),
         (["--fsdp-double-buffer"], 2, "only applies to Megatron-FSDP"),
         (["--mock-data", "--data-path", str(REPO / "data" / "corpus.txt")], 2, "--mock-data and --data-path"),
         (FSDP + ["--num-distributed-optimizer-instances", "3"], 4, "does not divide the data-parallel size 4"),
@@ -211,3 +223,42 @@ def test_shipped_configs_are_valid(name):
     world = 4 if "hsdp" in name else 8 if "gpu" in name else 2
     args = parse_args(["--config", str(REPO / "configs" / name)], world_size=world)
     assert args.train_iters > 0 and args.global_batch_size % (args.micro_batch_size * world) == 0
+
+
+def test_mcore_models_on_cpu_is_a_clear_error():
+    if device_mod.cuda_available():
+        pytest.skip("with CUDA, --use-mcore-models is a valid request")
+    with pytest.raises(ArgumentError, match=r"--use-mcore-models needs (megatron-core|CUDA)"):
+        _parse(["--use-mcore-models"])
+
+
+# -- pieces (no processes) ------------------------------------------------------------
+def test_batch_layout_covers_the_global_batch_once():
+    dp, mbs, micro, consumed = 4, 3, 2, 48
+    seen = []
+    for rank in range(dp):
+        layout = BatchLayout(micro_batch_size=mbs, num_microbatches=micro, dp_rank=rank, dp_size=dp)
+        for m in range(micro):
+            seen += list(layout.sample_indices(consumed, m))
+    assert sorted(seen) == list(range(consumed, consumed + dp * mbs * micro))
+
+
+def test_text_dataset_is_deterministic_and_reshuffles_each_epoch():
+    tokens = torch.arange(1000) % 256
+    a, b = (TextDataset(tokens, range(0, 30), seq_length=32, seed=7) for _ in range(2))
+    assert all(torch.equal(a.sample(i), b.sample(i)) for i in range(60))
+    first_epoch = [int(a.sample(i)[0]) for i in range(30)]
+    second_epoch = [int(a.sample(i)[0]) for i in range(30, 60)]
+    assert sorted(first_epoch) == sorted(second_epoch) and first_epoch != second_epoch
+    assert a.sample(3).shape == (33,)
+
+
+@pytest.mark.parametrize("style", list(LRDecayStyle))
+def test_lr_schedule_warms_up_then_decays_to_min(style):
+    sched = LRSchedule(max_lr=1.0, min_lr=0.1, warmup_iters=10, decay_iters=100, style=style)
+    assert sched.lr_at(0) == 0.0 and sched.lr_at(5) == pytest.approx(0.5) and sched.lr_at(10) == 1.0
+    end = sched.lr_at(100)
+    expected = {LRDecayStyle.CONSTANT: 1.0, LRDecayStyle.INVERSE_SQUARE_ROOT: (10 / 100) ** 0.5}.get(style, 0.1)
+    assert end == pytest.approx(expected)
+    assert sched.lr_at(1000) == pytest.approx(max(0.1, (10 / 1000) ** 0.5) if style is LRDecayStyle.INVERSE_SQUARE_ROOT
+                                              else expected)

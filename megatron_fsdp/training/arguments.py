@@ -209,6 +209,8 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--save", default=None)
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--load", default=None)
+    g.add_argument("--ckpt-step", type=int, default=None,
+                   help="Load this iteration from --load instead of the tracker file's.")
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
 
@@ -295,10 +297,8 @@ def load_config_file(path: str) -> dict[str, Any]:
 def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None) -> argparse.Namespace:
     """Parse, apply the config file, validate and derive. Raises ``ArgumentError``
     for invalid combinations; argparse itself exits with status 2 on malformed flags."""
-    argv = list(argv) if argv is not None else None
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    if argv is None:
-        argv = sys.argv[1:]
     config_path = _find_config_path(argv)
     prefix: list[str] = []
     if config_path:

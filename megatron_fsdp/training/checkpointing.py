@@ -88,19 +88,21 @@ def save(root: str, iteration: int, model, optimizer, extra_state: dict) -> str:
     return directory
 
 
-def load(root: str, model, optimizer) -> Optional[dict]:
-    """Load the tracker's checkpoint into ``model``/``optimizer`` (None: skip the
-    optimizer) and return its extra state; None when ``root`` has no tracker."""
-    iteration = read_tracker(root)
+def load(root: str, model, optimizer, step: Optional[int] = None) -> Optional[dict]:
+    """Load the checkpoint of iteration ``step`` (default: the tracker's) into
+    ``model``/``optimizer`` (None: skip the optimizer) and return its extra state;
+    None when ``root`` has no tracker and no step was asked for."""
+    iteration = read_tracker(root) if step is None else step
     if iteration is None:
         logger.warning("WARNING: could not find the metadata file %s; will not load any checkpoints and "
                        "will start from random", os.path.join(root, TRACKER_FILENAME))
         return None
     directory = checkpoint_dir(root, iteration)
     if not os.path.isdir(directory):
+        source = f"--ckpt-step {step}" if step is not None else os.path.join(root, TRACKER_FILENAME)
         raise FileNotFoundError(
-            f"{os.path.join(root, TRACKER_FILENAME)} names iteration {iteration} but {directory} does not exist; "
-            "point --load at a complete checkpoint directory or fix the tracker file"
+            f"{source} names iteration {iteration} but {directory} does not exist; point --load at a complete "
+            "checkpoint directory (or --ckpt-step at a saved iteration)"
         )
     extra = _checkpoint_api().load_checkpoint(directory, model, optimizer)
     logger.info("  successfully loaded checkpoint from %s [ iteration %d ]", root, iteration)

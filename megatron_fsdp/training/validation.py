@@ -9,15 +9,18 @@ Rules that mirror Megatron-LM say so; the rest are limits of this script.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 
+from .. import device as device_mod
 from ..enums import ShardingStrategy
 from .arguments import BYTE_VOCAB_SIZE, LRDecayStyle, Precision, TokenizerType
 
 
 def collect_problems(args: argparse.Namespace, world_size: int) -> list[str]:
     problems: list[str] = []
-    for rule in (_required, _model_shape, _batch, _schedule, _data_parallel, _megatron_fsdp, _precision, _data, _io):
+    for rule in (_required, _model_shape, _batch, _schedule, _data_parallel, _megatron_fsdp, _precision, _data, _io,
+                 _optional_packages):
         problems += rule(args, world_size)
     return problems
 
@@ -202,11 +205,29 @@ def _io(args, world_size) -> list[str]:
     problems = []
     if args.save is not None and (args.save_interval is None or args.save_interval <= 0):  # Megatron-LM rule
         problems.append(f"--save {args.save!r} needs a positive --save-interval")
+    if args.ckpt_step is not None and args.load is None:
+        problems.append(f"--ckpt-step={args.ckpt_step} needs --load DIR (the checkpoint root to read it from)")
     if args.eval_iters < 0:
         problems.append(f"--eval-iters={args.eval_iters} must be >= 0 (0 disables evaluation)")
     if args.eval_iters > 0 and args.eval_interval <= 0:
         problems.append(f"--eval-interval={args.eval_interval} must be positive when --eval-iters > 0")
     return problems
+
+
+def _optional_packages(args, world_size) -> list[str]:
+    # Checked here, before torch.distributed starts, so a missing package is one
+    # message instead of a traceback from every rank.
+    if not args.use_mcore_models:
+        return []
+    if importlib.util.find_spec("megatron") is None:
+        return ["--use-mcore-models needs megatron-core, which is not installed; run "
+                "`bash scripts/setup_megatron_core.sh` (pip install --no-deps megatron-core), or drop the flag "
+                "to train the embedded GPT"]
+    if not device_mod.cuda_available() or args.distributed_backend == "gloo":
+        # megatron-core's GPTModel allocates attention buffers and RNG state on torch.cuda.current_device().
+        return ["--use-mcore-models needs CUDA: Megatron-core's GPTModel forward allocates on the current CUDA "
+                "device; run it on GPUs with the nccl backend, or drop the flag to train the embedded GPT on CPU"]
+    return []
 
 
 def derive_fields(args: argparse.Namespace, world_size: int) -> None:
