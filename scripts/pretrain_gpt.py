@@ -166,7 +166,9 @@ def run(args, device: torch.device) -> int:
     state = TrainState()
     if args.load:
         restore(args, ctx, state)
-        logger.info("> resuming at iteration %d, %d samples consumed", state.iteration, state.consumed_train_samples)
+        if state.iteration:
+            logger.info("> resuming at iteration %d, %d samples consumed", state.iteration,
+                        state.consumed_train_samples)
 
     metrics = MetricsRecorder()
     start_iteration = state.iteration

@@ -225,11 +225,13 @@ def test_shipped_configs_are_valid(name):
     assert args.train_iters > 0 and args.global_batch_size % (args.micro_batch_size * world) == 0
 
 
-def test_mcore_models_on_cpu_is_a_clear_error():
+def test_mcore_models_and_nccl_on_cpu_are_clear_errors():
     if device_mod.cuda_available():
-        pytest.skip("with CUDA, --use-mcore-models is a valid request")
+        pytest.skip("with CUDA, --use-mcore-models and nccl are valid requests")
     with pytest.raises(ArgumentError, match=r"--use-mcore-models needs (megatron-core|CUDA)"):
         _parse(["--use-mcore-models"])
+    with pytest.raises(ArgumentError, match="--distributed-backend nccl needs CUDA"):
+        _parse(["--distributed-backend", "nccl"])
 
 
 # -- pieces (no processes) ------------------------------------------------------------

@@ -94,8 +94,9 @@ def load(root: str, model, optimizer, step: Optional[int] = None) -> Optional[di
     None when ``root`` has no tracker and no step was asked for."""
     iteration = read_tracker(root) if step is None else step
     if iteration is None:
-        logger.warning("WARNING: could not find the metadata file %s; will not load any checkpoints and "
-                       "will start from random", os.path.join(root, TRACKER_FILENAME))
+        # INFO with Megatron-LM's wording: every rank hits this, rank 0 says it once.
+        logger.info("WARNING: could not find the metadata file %s; will not load any checkpoints and "
+                    "will start from random", os.path.join(root, TRACKER_FILENAME))
         return None
     directory = checkpoint_dir(root, iteration)
     if not os.path.isdir(directory):

@@ -215,8 +215,11 @@ def _io(args, world_size) -> list[str]:
 
 
 def _optional_packages(args, world_size) -> list[str]:
-    # Checked here, before torch.distributed starts, so a missing package is one
-    # message instead of a traceback from every rank.
+    # Checked here, before torch.distributed starts, so a missing package or device
+    # is one message instead of a traceback from every rank.
+    if args.distributed_backend == "nccl" and not device_mod.cuda_available():
+        return ["--distributed-backend nccl needs CUDA, which this torch/machine lacks; use gloo (the default "
+                "without CUDA)"]
     if not args.use_mcore_models:
         return []
     if importlib.util.find_spec("megatron") is None:
