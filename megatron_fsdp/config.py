@@ -36,7 +36,8 @@ class DistributedDataParallelConfig:
     overlap_param_gather: bool = True
     """Gather the next unit's weights while the current one computes."""
     bucket_size: Optional[int] = None
-    """Accepted for Megatron compatibility; buckets follow FSDP units here."""
+    """Most elements per bucket: a unit's parameter group larger than this is split
+    into several buckets (a parameter is never split). ``None``: one bucket per group."""
     average_in_collective: bool = False
     """Average with ``ReduceOp.AVG`` inside the collective instead of pre-scaling."""
     check_for_nan_in_grad: bool = False
@@ -56,6 +57,8 @@ class DistributedDataParallelConfig:
     """Group consecutive small units into one collective of about this many elements."""
     prefetch_depth: int = 1
     """How many units ahead the all-gather pipeline prefetches."""
+    max_inflight_grad_reductions: int = 1
+    """Asynchronous gradient reductions in flight at once (bounds temporary memory)."""
     keep_fp8_transpose_cache: bool = False
     fp8_param_gather: bool = False
     gradient_reduce_div_fusion: bool = True
@@ -75,8 +78,14 @@ class DistributedDataParallelConfig:
             raise ValueError(
                 f"num_distributed_optimizer_instances={self.num_distributed_optimizer_instances} must be >= 1"
             )
+        if self.max_inflight_grad_reductions < 1:
+            raise ValueError(
+                f"max_inflight_grad_reductions={self.max_inflight_grad_reductions} must be >= 1"
+            )
         if self.prefetch_depth < 0:
             raise ValueError(f"prefetch_depth={self.prefetch_depth} must be >= 0 (0 disables prefetching)")
+        if self.bucket_size is not None and self.bucket_size <= 0:
+            raise ValueError(f"bucket_size={self.bucket_size} must be a positive number of elements (or None)")
         if self.suggested_communication_unit_size is not None and self.suggested_communication_unit_size <= 0:
             raise ValueError(
                 f"suggested_communication_unit_size={self.suggested_communication_unit_size} must be positive"

@@ -45,6 +45,10 @@ class GradReduceOptions:
     """Use ReduceOp.AVG instead of pre-scaling."""
     overlap: bool
     """Launch collectives asynchronously as groups complete."""
+    max_inflight: int = 1
+    """Asynchronous reductions allowed in flight at once. Each holds temporary
+    buckets (ZeRO-2/3: a whole group's unsharded gradients), so an unbounded queue
+    would keep every unit's gradients alive until the end of backward."""
     check_for_nan: bool
 
 
@@ -176,6 +180,10 @@ class GradReducePipeline:
                 # ZeRO-1 without a wire dtype: reduce-scatter in place into this rank's
                 # own region of the source (NCCL and gloo both allow exactly this alias).
                 output = main.shard
+            elif strategy.shards_grads and state.reductions_since_zero == 1 and comm_dtype == main.dtype:
+                # First reduction since zeroing: the main-grad shard is zero, so the
+                # result can land there directly: no output bucket, no add.
+                output = main.data
             else:
                 output = self.allocator.new(group.layout.shard_numel, comm_dtype, main.device)
                 temps.append(output)
@@ -185,8 +193,22 @@ class GradReducePipeline:
         finalize = self._finalizer(group, output, temps)
         if async_op:
             self._pending.append(_Pending(group, work, finalize))
+            self._retire(keep=self.options.max_inflight)
         else:
             finalize()
+
+    def _retire(self, *, keep: int) -> None:
+        """Finalise finished reductions in order; block on the oldest while more than
+        ``keep`` are in flight."""
+        while self._pending:
+            head = self._pending[0]
+            done = head.work is None or head.work.is_completed()
+            if not done and len(self._pending) <= keep:
+                return
+            self._pending.pop(0)
+            if head.work is not None:
+                head.work.wait()
+            head.finalize()
 
     def _finalizer(self, group: ParameterGroup, output: torch.Tensor, temps: list[torch.Tensor]) -> Callable[[], None]:
         main = group.main_grads
@@ -195,7 +217,8 @@ class GradReducePipeline:
         @torch.no_grad()
         def finalize() -> None:
             if strategy.shards_grads:
-                main.data.add_(output)  # accumulate across microbatches, promoting to the main dtype
+                if output is not main.data:
+                    main.data.add_(output)  # accumulate across microbatches, promoting to the main dtype
             elif strategy is ShardingStrategy.NO_SHARD:
                 if output is not main.data:
                     main.data.copy_(output)
@@ -263,11 +286,7 @@ class GradReducePipeline:
 
     # -- step boundaries ---------------------------------------------------------
     def wait_all(self) -> None:
-        pending, self._pending = self._pending, []
-        for item in pending:
-            if item.work is not None:
-                item.work.wait()
-            item.finalize()
+        self._retire(keep=0)
 
     def end_backward(self) -> None:
         """Forget which gradients arrived; the next backward pass starts afresh."""

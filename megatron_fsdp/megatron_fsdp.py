@@ -102,6 +102,7 @@ class MegatronFSDP(nn.Module):
             dist_index=self.dist_index,
             device=self.device,
             disable_bucketing=disable_bucketing,
+            bucket_size=self.ddp_config.bucket_size,
         )
         buffer = self.param_and_grad_buffer
         self.init_peak_param_bytes = 0
@@ -175,6 +176,7 @@ class MegatronFSDP(nn.Module):
             per_token_loss=self.calculate_per_token_loss,
             average_in_collective=cfg.average_in_collective,
             overlap=cfg.overlap_grad_reduce,
+            max_inflight=cfg.max_inflight_grad_reductions,
             check_for_nan=cfg.check_for_nan_in_grad,
         )
 

@@ -136,8 +136,10 @@ class ParamAndGradBuffer:
         dist_index: FSDPDistributedIndex,
         device: torch.device,
         disable_bucketing: bool = False,
+        bucket_size: Optional[int] = None,
     ) -> None:
         self.strategy = strategy
+        self.bucket_size = bucket_size
         self.policy = policy
         self.dist_index = dist_index
         self.device = device
@@ -154,17 +156,27 @@ class ParamAndGradBuffer:
     def _build_groups(self, module: nn.Module, unit_modules: list[nn.Module]) -> list[ParameterGroup]:
         unit_of = assign_units(module, unit_modules)
         keyed: dict[tuple, list[nn.Parameter]] = {}
-        for p in self.param_names:
-            # disable_bucketing: one group (and one collective) per parameter.
-            bucket = len(keyed) if self.disable_bucketing else 0
-            key = (unit_of[p], p.dtype, p.requires_grad, is_expert_param(p), is_fsdp_no_shard(p), bucket)
-            keyed.setdefault(key, []).append(p)
+        filled: dict[tuple, tuple[int, int]] = {}  # kind -> (current bucket, its numel)
+        for p, name in self.param_names.items():
+            # Parameters outside units are bucketed by top-level module: their
+            # gradients arrive at very different times (the final norm's first, the
+            # embedding's last), and one bucket would stay open all backward long.
+            owner = name.split(".")[0] if unit_of[p] is ROOT_UNIT else ""
+            kind = (unit_of[p], owner, p.dtype, p.requires_grad, is_expert_param(p), is_fsdp_no_shard(p))
+            bucket, numel = filled.get(kind, (0, 0))
+            # disable_bucketing: one group (and one collective) per parameter;
+            # bucket_size: start a new bucket when this parameter would overflow it.
+            if numel and (self.disable_bucketing or (self.bucket_size and numel + p.numel() > self.bucket_size)):
+                bucket, numel = bucket + 1, 0
+            filled[kind] = (bucket, numel + p.numel())
+            keyed.setdefault(kind + (bucket,), []).append(p)
         # Root groups first (gathered once per step), then units in module order.
-        order = sorted(keyed, key=lambda k: (-1 if k[0] is None else k[0], not k[2], str(k[1]), k[3], k[4], k[5]))
+        first_seen = {key: i for i, key in enumerate(keyed)}
+        order = sorted(keyed, key=lambda k: (-1 if k[0] is None else k[0], first_seen[k]))
         return [self._build_group(index, key, keyed[key]) for index, key in enumerate(order)]
 
     def _build_group(self, index: int, key: tuple, params: list[nn.Parameter]) -> ParameterGroup:
-        unit, dtype, requires_grad, is_expert, no_shard, _ = key
+        unit, _, dtype, requires_grad, is_expert, no_shard, _ = key
         dp = self.dist_index.groups_for(is_expert)
         strategy = ShardingStrategy.NO_SHARD if no_shard else self.strategy
         numels = tuple(p.numel() for p in params)
@@ -189,7 +201,11 @@ class ParamAndGradBuffer:
         model_weights = make("model_weights", dtype, layout, dp.shard_rank, strategy.shards_params)
         main_weights = None
         hfsdp = dp.outer_shards_optimizer and strategy.shards_optimizer
-        main_dtype = self.policy.main_params_dtype or (dtype if hfsdp else None)
+        main_dtype = self.policy.main_params_dtype
+        if main_dtype == dtype and not hfsdp:
+            main_dtype = None  # the model weights already hold main-precision values
+        elif main_dtype is None and hfsdp:
+            main_dtype = dtype
         if main_dtype is not None:
             # HFSDP always keeps its own optimizer piece: the model-weight shard is
             # gathered from the pieces after every step.

@@ -43,10 +43,12 @@ def test_min_comm_bytes(spec, expected):
     assert min_comm_bytes(spec, COUNTS, 4) == expected
 
 
-def test_megatron_memory_formula_adds_main_weights():
+def test_megatron_memory_formula_adds_main_weights_only_for_narrow_compute():
     spec = ImplSpec(name="z2", family=Family.MEGATRON_FSDP, zero_level=2, strategy="optim_grads")
-    formula = expected_memory(spec, COUNTS, 4, ElementSizes(weights=4))
-    assert formula == {"weights": 4000, "main_weights": 1000, "grads": 1000, "optimizer_state": 2000}
+    fp32 = expected_memory(spec, COUNTS, 4, ElementSizes(weights=4))
+    assert fp32 == {"weights": 4000, "main_weights": 0.0, "grads": 1000, "optimizer_state": 2000}
+    bf16 = expected_memory(spec, COUNTS, 4, ElementSizes(weights=2))
+    assert bf16["main_weights"] == 1000 and bf16["weights"] == 2000
 
 
 def test_config_names_the_bad_value():

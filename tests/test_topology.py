@@ -54,7 +54,8 @@ def hybrid_parity_worker(rank, world, *, strategy, outer, optimizer):
         (v.to_local() if isinstance(v, DTensor) else v).numel() * 4
         for s in opt.state.values() for k, v in s.items() if k != "step"
     )
-    return max_param_diff(mf.get_full_state_dict(model), reference), state_bytes, model.buffer_accounting.persistent["main_weights"]
+    optimizer_numel = sum(g.optimizer_layout.shard_numel for g in model.param_and_grad_buffer.groups)
+    return max_param_diff(mf.get_full_state_dict(model), reference), state_bytes, optimizer_numel
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
@@ -73,7 +74,7 @@ def test_hfsdp_halves_optimizer_state(pool4):
     hsdp = pool4.run(hybrid_parity_worker, strategy=3, outer="no_shard", optimizer="adamw")
     hfsdp = pool4.run(hybrid_parity_worker, strategy=3, outer="optim", optimizer="adamw")
     for (_, hsdp_state, hsdp_main), (_, hfsdp_state, hfsdp_main) in zip(hsdp, hfsdp):
-        assert hfsdp_main * 2 == hsdp_main  # main weights: buffer accounting
+        assert hfsdp_main * 2 == hsdp_main  # per rank: the optimizer's share of every buffer
     # Optimizer state: summed over ranks (pieces are uneven per parameter, exact in total).
     assert sum(s for _, s, _ in hfsdp) * 2 == sum(s for _, s, _ in hsdp)
 

@@ -77,11 +77,12 @@ def zero_formula(level: int, counts: ParamCounts, world: int, sizes: ElementSize
 def expected_memory(spec: ImplSpec, counts: ParamCounts, world: int, sizes: ElementSizes) -> dict[str, float]:
     """The formula the implementation's persistent memory should match.
 
-    megatron_fsdp keeps a main-weight buffer beside the model weights (fp32 by
-    default, even when the model itself is fp32), replicated at ZeRO-0 and sharded
-    like the optimizer state from ZeRO-1 on; the rest is the textbook formula.
+    megatron_fsdp keeps a main-weight buffer beside the model weights only when
+    the compute dtype is narrower than the main dtype (bf16 compute, fp32 main):
+    replicated at ZeRO-0 and sharded like the optimizer state from ZeRO-1 on. An
+    fp32 model's weights are its main weights; the rest is the textbook formula.
     """
     formula = zero_formula(spec.zero_level, counts, world, sizes)
-    if spec.family is Family.MEGATRON_FSDP:
+    if spec.family is Family.MEGATRON_FSDP and sizes.weights != sizes.main_weights:
         formula["main_weights"] = sizes.main_weights * counts.total / (world if spec.zero_level >= 1 else 1)
     return formula
