@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import Iterable, Optional
 
 import torch
-import torch.distributed as dist  # noqa: F401  (Work type)
 
 from . import collectives
 from .enums import BucketStatus
@@ -24,7 +23,7 @@ from .param_and_grad_buffer import ParameterGroup
 class AllGatherPipeline:
     def __init__(self) -> None:
         # In-flight gathers: the handle plus the source tensor, which must outlive it.
-        self._pending: dict[ParameterGroup, tuple[Optional[dist.Work], torch.Tensor]] = {}
+        self._pending: dict[ParameterGroup, tuple[Optional[collectives.Handle], torch.Tensor]] = {}
 
     def unshard(self, groups: Iterable[ParameterGroup], *, async_op: bool) -> None:
         """Launch gathers for every group that needs one; already gathering or

@@ -37,6 +37,10 @@ class CheckpointReadError(RuntimeError):
     """The checkpoint's files could not be read (corrupted, truncated, incomplete)."""
 
 
+class CheckpointWriteError(RuntimeError):
+    """Writing a checkpoint failed (a peer died, the disk filled); nothing was published."""
+
+
 # -- optimizer state dicts ------------------------------------------------------------
 def _indexed_params(optimizer: torch.optim.Optimizer) -> dict[int, torch.Tensor]:
     """Index -> parameter as ``Optimizer.state_dict`` numbers them (first appearance)."""
@@ -111,14 +115,23 @@ def save_checkpoint(
     final = Path(directory)
     tmp = final.with_name(final.name + ".tmp")
     rank = dist.get_rank()
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
-        tmp.mkdir(parents=True)
-    dist.barrier()
-    dcp.save(_state(model, optimizer), checkpoint_id=str(tmp))
-    if extra_state is not None:
-        torch.save(extra_state, tmp / EXTRA_STATE_FILE.format(rank=rank))
-    dist.barrier()  # every rank's files are in place
+    phase = "preparing the temporary directory"
+    try:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
+            tmp.mkdir(parents=True)
+        dist.barrier()
+        phase = "writing shards (torch.distributed.checkpoint.save)"
+        dcp.save(_state(model, optimizer), checkpoint_id=str(tmp))
+        if extra_state is not None:
+            torch.save(extra_state, tmp / EXTRA_STATE_FILE.format(rank=rank))
+        phase = "waiting for every rank to finish writing"
+        dist.barrier()
+    except (Exception, CheckpointException) as exc:
+        raise CheckpointWriteError(
+            f"rank {rank}: saving the checkpoint {final} failed while {phase}: {exc}. Nothing was published; "
+            f"the previous checkpoint is intact (a partial {tmp.name} may remain and is ignored)."
+        ) from exc
     if rank == 0:
         _publish(tmp, final)
     dist.barrier()
@@ -231,6 +244,7 @@ def _load_extra_state(path: Path) -> dict:
 
 __all__ = [
     "CheckpointReadError",
+    "CheckpointWriteError",
     "StateDictMismatchError",
     "load_checkpoint",
     "materialize_optimizer_state",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 from collections import Counter
 from typing import Iterator, Optional
 
@@ -61,13 +62,73 @@ def _record(kind: str, tensor: torch.Tensor, label: str) -> None:
         recorder.record(kind, tensor, label)
 
 
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out: usually a peer rank died or stalled."""
+
+
+_timeout: Optional[datetime.timedelta] = None
+
+
+def set_collective_timeout(seconds: Optional[float]) -> None:
+    """How long a collective may block before it fails with ``CollectiveError``
+    (``None``: the process group's own timeout). Process-wide."""
+    global _timeout
+    _timeout = None if seconds is None else datetime.timedelta(seconds=seconds)
+
+
+@dataclasses.dataclass
+class Handle:
+    """An in-flight collective: ``wait()`` raises ``CollectiveError`` naming it."""
+
+    work: dist.Work
+    kind: str
+    label: str
+    group: dist.ProcessGroup
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+    def wait(self) -> None:
+        try:
+            if _timeout is None:
+                self.work.wait()
+            elif not self.work.wait(timeout=_timeout):
+                raise TimeoutError(f"no completion within {_timeout.total_seconds():g}s")
+        except Exception as exc:  # a dead peer surfaces as a gloo/NCCL RuntimeError
+            raise _error(self.kind, self.label, self.group, exc) from exc
+
+
+def _error(kind: str, label: str, group: dist.ProcessGroup, exc: BaseException) -> CollectiveError:
+    timeout = f"{_timeout.total_seconds():g}s" if _timeout is not None else "the process group's timeout"
+    return CollectiveError(
+        f"megatron_fsdp: {kind} '{label}' over {dist.get_world_size(group)} ranks failed on rank "
+        f"{dist.get_rank()}: {exc}. A peer rank probably died or stalled; check its log. "
+        f"(Blocking limit: {timeout}; set DistributedDataParallelConfig.collective_timeout_s.)"
+    )
+
+
+def _issue(kind: str, label: str, group: dist.ProcessGroup, launch, async_op: bool) -> Optional[Handle]:
+    """Launch asynchronously always, so that a synchronous call also waits with the
+    timeout and fails with a named error instead of hanging."""
+    try:
+        handle = Handle(launch(), kind, label, group)
+    except Exception as exc:
+        raise _error(kind, label, group, exc) from exc
+    if async_op:
+        return handle
+    handle.wait()
+    return None
+
+
 def all_gather(
     output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool, label: str = ""
-) -> Optional[dist.Work]:
+) -> Optional[Handle]:
     """Gather equal shards into ``output`` (flat, ``group.size() * shard.numel()``)."""
     _record("all_gather", output, label)
     with record_function(f"megatron_fsdp::all_gather:{label}"):
-        return _all_gather_flat(output, shard, group=group, async_op=async_op)
+        return _issue(
+            "all_gather", label, group, lambda: _all_gather_flat(output, shard, group=group, async_op=True), async_op
+        )
 
 
 def reduce_scatter(
@@ -78,22 +139,30 @@ def reduce_scatter(
     op: dist.ReduceOp.RedOpType,
     async_op: bool,
     label: str = "",
-) -> Optional[dist.Work]:
+) -> Optional[Handle]:
     """Reduce ``full`` across the group; this rank's shard lands in ``output``."""
     _record("reduce_scatter", full, label)
     with record_function(f"megatron_fsdp::reduce_scatter:{label}"):
-        return _reduce_scatter_flat(output, full, op=op, group=group, async_op=async_op)
+        return _issue(
+            "reduce_scatter",
+            label,
+            group,
+            lambda: _reduce_scatter_flat(output, full, op=op, group=group, async_op=True),
+            async_op,
+        )
 
 
 def all_reduce(
     tensor: torch.Tensor, group: dist.ProcessGroup, *, op: dist.ReduceOp.RedOpType, async_op: bool, label: str = ""
-) -> Optional[dist.Work]:
+) -> Optional[Handle]:
     _record("all_reduce", tensor, label)
     with record_function(f"megatron_fsdp::all_reduce:{label}"):
-        return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+        return _issue("all_reduce", label, group, lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True), async_op)
 
 
 def broadcast(tensor: torch.Tensor, src_group_rank: int, group: dist.ProcessGroup, *, label: str = "") -> None:
     _record("broadcast", tensor, label)
     with record_function(f"megatron_fsdp::broadcast:{label}"):
-        dist.broadcast(tensor, group=group, group_src=src_group_rank)
+        _issue(
+            "broadcast", label, group, lambda: dist.broadcast(tensor, group=group, group_src=src_group_rank, async_op=True), False
+        )

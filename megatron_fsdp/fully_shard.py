@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Any, Optional, Sequence
 
 import torch
@@ -137,12 +138,22 @@ def fully_shard_optimizer(
     base_step, base_zero_grad = optimizer.step, optimizer.zero_grad
 
     def step(*args: Any, sync_grad_before_optimizer_step: bool = True, install_optimized_model_weights: bool = True, **kwargs: Any):
+        if not any(model.backward_since_step for model in models):
+            # Stale or zeroed gradients would still move weights (weight decay,
+            # momentum); skipping leaves the state exactly as it was.
+            warnings.warn(
+                "optimizer.step() was called with no backward pass since the last step; the step is skipped. "
+                "Call loss.backward() before optimizer.step().",
+                stacklevel=2,
+            )
+            return None
         for model in models:
             if sync_grad_before_optimizer_step and not model.model_auto_sync:
                 model.finish_grad_sync()
         result = base_step(*args, **kwargs)
-        if install_optimized_model_weights:
-            for model in models:
+        for model in models:
+            model.backward_since_step = False
+            if install_optimized_model_weights:
                 model.install_optimized_model_weights()
         return result
 

@@ -66,7 +66,7 @@ class _GroupGradState:
 @dataclasses.dataclass(eq=False)
 class _Pending:
     group: ParameterGroup
-    work: Optional[dist.Work]
+    work: Optional[collectives.Handle]
     finalize: Callable[[], None]
 
 

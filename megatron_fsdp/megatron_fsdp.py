@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from . import collectives
 from . import device as device_mod
 from . import state_dict as state_dict_mod
 from .all_gather_pipeline import AllGatherPipeline
@@ -90,6 +91,8 @@ class MegatronFSDP(nn.Module):
         self.report_nan_in_param_grads = report_nan_in_param_grad
         self.last_nan_report: list[str] = []
         self._check_supported()
+        if self.ddp_config.collective_timeout_s is not None:
+            collectives.set_collective_timeout(self.ddp_config.collective_timeout_s)
         _check_module(module, self.device, allow_meta=init_model_with_meta_device)
         self.module = module
 
@@ -119,6 +122,8 @@ class MegatronFSDP(nn.Module):
             FSDPUnit(index=i, name=name, module=m, groups=buffer.groups_of_unit(i)) for i, (name, m) in enumerate(units)
         ]
         self._auto_sync = sync_model_each_microbatch
+        self.backward_since_step = False
+        """Set by every backward pass, cleared by the optimizer step (misuse check)."""
         self._no_sync_depth = 0
         self._force_sync_depth = 0
         self._runtime = HookRuntime(
@@ -140,6 +145,9 @@ class MegatronFSDP(nn.Module):
         cfg = self.ddp_config
         unsupported = {
             "fsdp_double_buffer=True (fixed double-buffer allocator)": cfg.fsdp_double_buffer,
+            "suggested_communication_unit_size (merging small units into one collective)": (
+                cfg.suggested_communication_unit_size is not None
+            ),
             "nccl_ub=True (NCCL user-buffer registration)": cfg.nccl_ub,
             "keep_fp8_transpose_cache=True (TransformerEngine FP8 parameters)": cfg.keep_fp8_transpose_cache,
             "fp8_param_gather=True (TransformerEngine FP8 parameters)": cfg.fp8_param_gather,
@@ -217,6 +225,7 @@ class MegatronFSDP(nn.Module):
         return self._auto_sync
 
     def _on_backward_end(self) -> None:
+        self.backward_since_step = True
         if self._sync_enabled():
             self.finish_grad_sync()
 
@@ -310,8 +319,6 @@ class MegatronFSDP(nn.Module):
         """Make every replica equal to its first copy: buffers replicated inside the
         shard group from shard rank 0, then everything replicated across the outer
         group from outer rank 0 (an HFSDP main-weight piece is not a replica)."""
-        from . import collectives
-
         self.all_gather_pipeline.wait_all()
         for g in self.param_and_grad_buffer.groups:
             for buf in (g.model_weights, g.main_weights):
@@ -349,6 +356,16 @@ class MegatronFSDP(nn.Module):
         return self.param_and_grad_buffer.accounting
 
 
+def _is_wrapper(module: nn.Module) -> bool:
+    if isinstance(module, (MegatronFSDP, torch.nn.parallel.DistributedDataParallel)):
+        return True
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # older torch
+        return False
+    return isinstance(module, FSDPModule)
+
+
 def _split_into_parameter_owners(units: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
     """Fine-grained gathering: every module that owns parameters directly inside a
     unit becomes a unit of its own, so weights are gathered per module."""
@@ -363,6 +380,13 @@ def _split_into_parameter_owners(units: list[tuple[str, nn.Module]]) -> list[tup
 
 
 def _check_module(module: nn.Module, device: torch.device, *, allow_meta: bool = False) -> None:
+    for name, sub in module.named_modules():
+        if _is_wrapper(sub):
+            where = f"its submodule {name!r}" if name else "it"
+            raise ValueError(
+                f"cannot wrap {type(module).__name__}: {where} is already a data-parallel wrapper "
+                f"({type(sub).__name__}); wrap the plain model once, with one of megatron_fsdp, FSDP or DDP"
+            )
     params = list(module.named_parameters())
     if not params:
         raise ValueError(f"{type(module).__name__} has no parameters; there is nothing for megatron_fsdp to shard")
