@@ -61,6 +61,9 @@ def dead_rank_main(rank, world, port, phase, path, results):
         results.put((rank, "finished", "", 0.0))
     except Exception as exc:  # noqa: BLE001 - reported to the test
         results.put((rank, type(exc).__name__, str(exc), time.monotonic() - start))
+    # os._exit skips the queue's feeder thread: flush it first or the result is lost.
+    results.close()
+    results.join_thread()
     os._exit(0)
 
 
