@@ -86,27 +86,57 @@ class GradReducePipeline:
         self.allocator = allocator
         self._state = {g: _GroupGradState() for g in self.groups}
         self._pending: list[_Pending] = []
+        self._views: dict[nn.Parameter, torch.Tensor] = {}
 
     # -- gradients arrive ----------------------------------------------------------
+    def install_grad_views(self, views: dict[nn.Parameter, torch.Tensor]) -> None:
+        """Let autograd accumulate straight into the replicated main-grad buffer
+        (``param.grad`` is a view of it), saving an allocation and a copy per
+        parameter per backward."""
+        self._views = views
+        for param, view in views.items():
+            param.grad = view
+
     @torch.no_grad()
     def accumulate(self, group: ParameterGroup, index: int, param: nn.Parameter) -> bool:
         """Take ``param.grad`` into the group's buffer; True once the group is complete."""
         grad = param.grad
-        param.grad = None
         state = self._state[group]
-        if grad is not None:
-            flat = grad.reshape(-1)
-            if group.strategy.shards_grads:
-                if state.bucket is None:
-                    state.bucket = self.allocator.new(
-                        group.layout.padded_numel, self._comm_dtype(group), group.main_grads.device, zero=True
-                    )
-                start, end = group.layout.item_range(index)
-                state.bucket[start:end].add_(flat)
-            else:
-                group.main_grads.item_in_bucket(index).add_(flat)
+        if group.strategy.shards_grads:
+            param.grad = None
+            if grad is not None:
+                self._into_bucket(group, state, index, grad.reshape(-1))
+        else:
+            view = self._views.get(param)
+            if grad is not None and grad is not view:
+                # autograd made a fresh tensor (no view installed, or someone reset .grad)
+                group.main_grads.item_in_bucket(index).add_(grad.reshape(-1))
+            param.grad = view
         state.ready.add(index)
         return len(state.ready) == len(group.params)
+
+    def _into_bucket(self, group: ParameterGroup, state: "_GroupGradState", index: int, flat: torch.Tensor) -> None:
+        """ZeRO-2/3: write the scaled gradient into this pass's temporary bucket. The
+        bucket starts uninitialised; gaps (absent gradients, padding) are zeroed at
+        reduction time, so the common case is one pass over each gradient."""
+        if state.bucket is None:
+            state.bucket = self.allocator.new(group.layout.padded_numel, self._comm_dtype(group), group.main_grads.device)
+        start, end = group.layout.item_range(index)
+        target = state.bucket[start:end]
+        scaling = self._scaling(group)
+        if index in state.ready:  # a second gradient in the same pass
+            target.add_(flat, alpha=scaling)
+        elif scaling != 1.0:
+            torch.mul(flat, scaling, out=target)
+        else:
+            target.copy_(flat)
+
+    def _fill_gaps(self, group: ParameterGroup, state: "_GroupGradState") -> None:
+        bucket = state.bucket
+        for index in range(len(group.params)):
+            if index not in state.ready:
+                bucket[slice(*group.layout.item_range(index))].zero_()
+        bucket[group.layout.numel :].zero_()
 
     def is_complete(self, group: ParameterGroup) -> bool:
         return len(self._state[group].ready) == len(group.params)
@@ -155,6 +185,8 @@ class GradReducePipeline:
             source = state.bucket
             if source is None:  # no gradient reached this group, but every rank must join
                 source = self.allocator.new(group.layout.padded_numel, comm_dtype, main.device, zero=True)
+            else:
+                self._fill_gaps(group, state)
             state.bucket = None
             temps.append(source)
         elif comm_dtype != main.dtype:
@@ -169,7 +201,7 @@ class GradReducePipeline:
             self._check_finite(group, source)
         op = self._op()
         scaling = self._scaling(group)
-        if scaling != 1.0:
+        if scaling != 1.0 and not strategy.shards_grads:  # ZeRO-2/3 scaled on the way in
             source.mul_(scaling)
 
         if strategy is ShardingStrategy.NO_SHARD:

@@ -118,6 +118,9 @@ class MegatronFSDP(nn.Module):
             options=self._grad_options(),
             allocator=buffer.allocator,
         )
+        self.grad_reduce_pipeline.install_grad_views(
+            {g.params[i]: v for g in buffer.grad_groups for i in range(len(g.params)) if (v := buffer.grad_view(g, i)) is not None}
+        )
         self.units = [
             FSDPUnit(index=i, name=name, module=m, groups=buffer.groups_of_unit(i)) for i, (name, m) in enumerate(units)
         ]
@@ -137,8 +140,9 @@ class MegatronFSDP(nn.Module):
             on_backward_end=self._on_backward_end,
         )
         self._runtime.register()
-        for _, dist_param in buffer.named_dist_params():
-            _OWNERS[dist_param] = self
+        for group in buffer.groups:
+            for param in group.dist_params + group.local_params:
+                _OWNERS[param] = self
 
     # -- construction helpers -----------------------------------------------------
     def _check_supported(self) -> None:

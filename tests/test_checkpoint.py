@@ -222,3 +222,19 @@ def state_dict_mismatch_worker(rank, world):
 def test_load_state_dict_names_keys_and_shapes(pool2):
     message = pool2.run(state_dict_mismatch_worker)[0]
     assert "nothing was loaded" in message and "inp.weight: checkpoint (9, 5) vs model (7, 5)" in message
+
+
+def save_then_continue_worker(rank, world, *, strategy, path):
+    """Saving must not disturb the live run (state_dict() hands out live dicts)."""
+    batches = make_batches("net", 4, GLOBAL_BATCH)
+    model, opt = _shard(strategy)
+    _train(model, opt, batches[:2], rank, world)
+    mf.save_checkpoint(path, model, opt)
+    opt.state_dict()
+    _train(model, opt, batches[2:], rank, world)
+    return max_param_diff(mf.get_full_state_dict(model), _reference(4))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_saving_does_not_disturb_training(pool2, tmp_path, strategy):
+    assert max(pool2.run(save_then_continue_worker, strategy=strategy, path=str(tmp_path / "c"))) < TOL
