@@ -55,8 +55,7 @@ def _indexed_params(optimizer: torch.optim.Optimizer) -> dict[int, torch.Tensor]
 
 
 def preprocess_optimizer_state_dict(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
-    """``Optimizer.state_dict`` post-hook: sharded state as DTensors (sharing storage
-    with the optimizer's local tensors) that carry DCP chunk metadata."""
+    """``Optimizer.state_dict`` post-hook: sharded state DTensors carrying DCP chunk metadata."""
     params = _indexed_params(optimizer)
     states = state_dict.get("state", {})
     for index in list(states):
@@ -70,18 +69,8 @@ def preprocess_optimizer_state_dict(optimizer: torch.optim.Optimizer, state_dict
         group, item = buffer.dist_slot(param)
         start = buffer.local_flat_start(param)
         for key, value in param_state.items():
-            if isinstance(value, torch.Tensor) and value.shape == param.shape and key != "step":
-                wrapped = buffer.as_checkpoint_dtensor(param, value)
-                param_state[key] = checkpointable(wrapped, group.params[item], start)
-    return state_dict
-
-
-def localize_optimizer_state_dict(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
-    """``Optimizer.load_state_dict`` pre-hook: the optimizer steps plain local
-    tensors (see ``fully_shard_optimizer``), so DTensor state becomes local again."""
-    states = state_dict.get("state", {})
-    for index, param_state in list(states.items()):
-        states[index] = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in param_state.items()}
+            if isinstance(value, DTensor) and value.shape == param.shape:
+                param_state[key] = checkpointable(value, group.params[item], start)
     return state_dict
 
 
@@ -259,7 +248,6 @@ def _load_extra_state(path: Path) -> dict:
 
 
 __all__ = [
-    "localize_optimizer_state_dict",
     "CheckpointReadError",
     "CheckpointWriteError",
     "StateDictMismatchError",

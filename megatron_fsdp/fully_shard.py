@@ -135,7 +135,6 @@ def fully_shard_optimizer(
     if not models:
         raise ValueError("fully_shard_optimizer: the optimizer has no parameters")
 
-    _step_local_tensors(optimizer)
     base_step, base_zero_grad = optimizer.step, optimizer.zero_grad
 
     def step(*args: Any, sync_grad_before_optimizer_step: bool = True, install_optimized_model_weights: bool = True, **kwargs: Any):
@@ -168,32 +167,11 @@ def fully_shard_optimizer(
     optimizer.step = step
     optimizer.zero_grad = zero_grad
     optimizer.megatron_fsdp_models = models
-    from .checkpoint import localize_optimizer_state_dict, preprocess_optimizer_state_dict
+    from .checkpoint import preprocess_optimizer_state_dict
 
-    optimizer.register_load_state_dict_pre_hook(localize_optimizer_state_dict)
     if preproc_state_dict_for_dcp_ckpt:
         optimizer.register_state_dict_post_hook(preprocess_optimizer_state_dict)
     return optimizer
-
-
-def _step_local_tensors(optimizer: torch.optim.Optimizer) -> None:
-    """Point the optimizer at plain tensors sharing storage with the DTensor
-    parameters' local pieces.
-
-    Elementwise optimizers compute the same numbers on the local pieces, while a
-    foreach op over DTensors dispatches each tensor through Python (tens of
-    microseconds per tensor per op). ``state_dict()`` still returns DTensors, and
-    ``load_state_dict`` accepts them (hooks registered below)."""
-    for group in optimizer.param_groups:
-        locals_ = []
-        for param in group["params"]:
-            local = owner_of(param).param_and_grad_buffer.local_twin(param)
-            if local is not param and param in optimizer.state:  # state from earlier steps moves along
-                optimizer.state[local] = {
-                    k: v.to_local() if hasattr(v, "to_local") else v for k, v in optimizer.state.pop(param).items()
-                }
-            locals_.append(local)
-        group["params"] = locals_
 
 
 def fully_shard(

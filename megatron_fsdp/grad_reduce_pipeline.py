@@ -68,6 +68,8 @@ class _Pending:
     group: ParameterGroup
     work: Optional[collectives.Handle]
     finalize: Callable[[], None]
+    holds_memory: bool
+    """Temporary buckets stay allocated until this reduction is finalised."""
 
 
 class GradReducePipeline:
@@ -224,18 +226,19 @@ class GradReducePipeline:
             )
         finalize = self._finalizer(group, output, temps)
         if async_op:
-            self._pending.append(_Pending(group, work, finalize))
+            self._pending.append(_Pending(group, work, finalize, holds_memory=bool(temps)))
             self._retire(keep=self.options.max_inflight)
         else:
             finalize()
 
     def _retire(self, *, keep: int) -> None:
         """Finalise finished reductions in order; block on the oldest while more than
-        ``keep`` are in flight."""
+        ``keep`` reductions holding temporary buckets are in flight (in-place ones,
+        e.g. an all-reduce of the main-grad buffer, cost no memory and never block)."""
         while self._pending:
             head = self._pending[0]
             done = head.work is None or head.work.is_completed()
-            if not done and len(self._pending) <= keep:
+            if not done and sum(p.holds_memory for p in self._pending) <= keep:
                 return
             self._pending.pop(0)
             if head.work is not None:
@@ -318,7 +321,11 @@ class GradReducePipeline:
 
     # -- step boundaries ---------------------------------------------------------
     def wait_all(self) -> None:
-        self._retire(keep=0)
+        pending, self._pending = self._pending, []
+        for item in pending:
+            if item.work is not None:
+                item.work.wait()
+            item.finalize()
 
     def end_backward(self) -> None:
         """Forget which gradients arrived; the next backward pass starts afresh."""

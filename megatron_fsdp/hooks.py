@@ -152,9 +152,15 @@ class HookRuntime:
         if unit.state is TrainingState.PRE_BACKWARD:
             return output
         unit.state = TrainingState.IDLE
-        with record_function(f"megatron_fsdp::reshard:{unit.name}"):
-            self.all_gather.reshard(unit.groups)
-        tensors = _grad_tensors(output) if torch.is_grad_enabled() else []
+        training = torch.is_grad_enabled()
+        # The last unit of the forward is the first of the backward: releasing it
+        # only to gather it again at once costs a blocking all-gather and saves no
+        # memory. It is released when its gradients are done (or at the end).
+        keep = training and self._order_final and self.forward_order and unit is self.forward_order[-1]
+        if not keep:
+            with record_function(f"megatron_fsdp::reshard:{unit.name}"):
+                self.all_gather.reshard(unit.groups)
+        tensors = _grad_tensors(output) if training else []
         if tensors:
             register_multi_grad_hook(tensors, lambda grads: self.pre_backward(unit), mode="any")
         return output

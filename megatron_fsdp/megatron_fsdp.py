@@ -141,7 +141,7 @@ class MegatronFSDP(nn.Module):
         )
         self._runtime.register()
         for group in buffer.groups:
-            for param in group.dist_params + group.local_params:
+            for param in group.dist_params:
                 _OWNERS[param] = self
 
     # -- construction helpers -----------------------------------------------------

@@ -67,10 +67,6 @@ class ParameterGroup:
     main_grads: Optional[DataParallelBuffer]
     """``None`` for frozen groups."""
     dist_params: list[nn.Parameter] = dataclasses.field(default_factory=list)
-    local_params: list[nn.Parameter] = dataclasses.field(default_factory=list)
-    """Plain parameters sharing storage with the distributed ones' local pieces.
-    ``fully_shard_optimizer`` steps these: elementwise optimizer math needs no
-    DTensor, whose dispatch costs tens of microseconds per tensor per op."""
 
     @property
     def main_weight_source(self) -> DataParallelBuffer:
@@ -155,8 +151,7 @@ class ParamAndGradBuffer:
         self.groups: list[ParameterGroup] = self._build_groups(module, unit_modules)
         self._slot = {p: (g, i) for g in self.groups for i, p in enumerate(g.params)}
         self._dist_slot = {p: (g, i) for g in self.groups for i, p in enumerate(g.dist_params)}
-        self._dist_slot.update({p: (g, i) for g in self.groups for i, p in enumerate(g.local_params)})
-        self._grad_views: dict[nn.Parameter, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._grad_views: dict[nn.Parameter, torch.Tensor] = {}
 
     # -- construction ----------------------------------------------------------
     def _build_groups(self, module: nn.Module, unit_modules: list[nn.Module]) -> list[ParameterGroup]:
@@ -239,10 +234,6 @@ class ParamAndGradBuffer:
         )
         self._fill_and_repoint(group)
         group.dist_params = [self._make_dist_param(group, i) for i in range(len(params))]
-        group.local_params = [
-            nn.Parameter(p._local_tensor, requires_grad=p.requires_grad) if isinstance(p, DTensor) else p
-            for p in group.dist_params
-        ]
         return group
 
     @torch.no_grad()
@@ -310,20 +301,6 @@ class ParamAndGradBuffer:
     def dist_slot(self, dist_param: nn.Parameter) -> Optional[tuple[ParameterGroup, int]]:
         return self._dist_slot.get(dist_param)
 
-    def local_twin(self, param: torch.Tensor) -> torch.Tensor:
-        """The plain local parameter sharing storage with a distributed one (itself
-        when it is plain already)."""
-        group, index = self._dist_slot[param]
-        return group.local_params[index]
-
-    def as_checkpoint_dtensor(self, param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        """Wrap a plain local optimizer-state tensor of ``param`` as the DTensor a
-        checkpoint holds (the distributed parameter's placement)."""
-        group, index = self._dist_slot[param]
-        if not isinstance(group.dist_params[index], DTensor) or isinstance(value, DTensor):
-            return value
-        return self.as_dtensor(group, value, group.params[index])
-
     def local_flat_start(self, dist_param: torch.Tensor) -> int:
         """Where this rank's part of a distributed parameter starts in the parameter's flat order."""
         group, index = self._dist_slot[dist_param]
@@ -344,23 +321,21 @@ class ParamAndGradBuffer:
 
     # -- gradients for the optimizer -------------------------------------------
     def attach_grads(self) -> None:
-        """Point every trainable distributed parameter's ``.grad`` (and its plain local
-        twin's) at its reduced piece. Views of the persistent main-grad buffer are
-        built once; a dtype cast (main grads narrower than main weights) is fresh."""
+        """Point every trainable distributed parameter's ``.grad`` at its reduced piece.
+        Views of the persistent main-grad buffer are built once; a dtype cast (main
+        grads narrower than main weights) is made afresh."""
         for group in self.grad_groups:
-            for index, (dist_param, local_param) in enumerate(zip(group.dist_params, group.local_params)):
+            for index, dist_param in enumerate(group.dist_params):
                 cached = self._grad_views.get(dist_param)
                 if cached is None:
                     local = self._optimizer_view(group, group.main_grads, index)
                     if local.dtype != dist_param.dtype:
                         local = local.to(dist_param.dtype)  # the optimizer needs the main weights' dtype
                     wrapped = self.as_dtensor(group, local, group.params[index]) if isinstance(dist_param, DTensor) else local
-                    cached = (wrapped, local)
                     if local.dtype == group.main_grads.dtype:
-                        self._grad_views[dist_param] = cached
-                dist_param.grad, local_grad = cached
-                if local_param is not dist_param:
-                    local_param.grad = local_grad
+                        self._grad_views[dist_param] = wrapped
+                    cached = wrapped
+                dist_param.grad = cached
 
     def grad_view(self, group: ParameterGroup, index: int) -> Optional[torch.Tensor]:
         """For replicated main grads of the parameter's own dtype: the view autograd can

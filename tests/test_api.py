@@ -43,9 +43,10 @@ def count_worker(rank, world, *, strategy, microbatches):
 
 # Net with Block units: two root groups (inp, out: one per top-level module) + 3 unit groups.
 EXPECTED = {
-    # ZeRO-3: forward gathers the 2 root groups + 3 units, backward re-gathers the 3 units.
-    ("optim_grads_params", 1): {"all_gather": 8, "reduce_scatter": 5},
-    ("optim_grads_params", 2): {"all_gather": 16, "reduce_scatter": 10},
+    # ZeRO-3: forward gathers the 2 root groups + 3 units; backward re-gathers the
+    # units except the last one, which stays gathered from its forward to its backward.
+    ("optim_grads_params", 1): {"all_gather": 7, "reduce_scatter": 5},
+    ("optim_grads_params", 2): {"all_gather": 14, "reduce_scatter": 10},
     # ZeRO-2: reduce-scatter every microbatch, refresh weights once after the step.
     ("optim_grads", 1): {"all_gather": 5, "reduce_scatter": 5},
     ("optim_grads", 2): {"all_gather": 5, "reduce_scatter": 10},
@@ -271,3 +272,23 @@ def test_persistent_bytes_follow_zero_formula(pool2, strategy):
     weights, _, grads = shards[strategy]
     # fp32 model: the model weights are the main weights, no second copy.
     assert persistent == {"model_weights": full // weights, "main_grads": full // grads}
+
+
+def grad_norm_worker(rank, world, *, strategy):
+    """Clipping over the optimizer's parameters (a common pattern) sees the global norm."""
+    model, opt = mf.fully_shard(make_model("net"), make_optimizer("sgd"), fsdp_unit_modules=[Block],
+                                zero_dp_strategy=strategy)
+    reference = make_model("net")
+    x, y = make_batches("net", 1, batch=4 * world)[0]
+    loss_fn("net", model(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+    loss_fn("net", reference(x), y).backward()
+    params = [p for group in opt.param_groups for p in group["params"]]
+    norm = torch.nn.utils.clip_grad_norm_(params, 1e9)
+    norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+    expected = torch.nn.utils.clip_grad_norm_(list(reference.parameters()), 1e9)
+    return abs(norm.item() - expected.item())
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_grad_norm_over_optimizer_params_is_global(pool2, strategy):
+    assert max(pool2.run(grad_norm_worker, strategy=strategy)) < 1e-5

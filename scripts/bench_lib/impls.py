@@ -60,7 +60,8 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 def param_counts(model: GPT) -> ParamCounts:
     total = sum(p.numel() for p in model.parameters())
     blocks = sum(p.numel() for block in model.blocks for p in block.parameters())
-    return ParamCounts(total=total, root=total - blocks)
+    last = sum(p.numel() for p in model.blocks[-1].parameters())
+    return ParamCounts(total=total, root=total - blocks, last_block=last)
 
 
 @dataclasses.dataclass(eq=False, kw_only=True)

@@ -11,6 +11,9 @@ the block parameters twice and the root parameters once::
     all_gather     = elem * (2 * P_blocks + P_root)      (textbook ZeRO-3: 2 * P)
     reduce_scatter = elem * P
 
+megatron_fsdp also keeps the last block gathered from its forward into its
+backward (which follows at once), so it gathers ``P_last_block`` less.
+
 The records carry both numbers; the test compares with the wrapping-aware one.
 """
 
@@ -27,6 +30,8 @@ class ParamCounts:
     """Unique parameters (tied weights counted once)."""
     root: int
     """Parameters outside every transformer block."""
+    last_block: int = 0
+    """Parameters of the last transformer block."""
 
     @property
     def blocks(self) -> int:
@@ -39,6 +44,8 @@ def min_comm_bytes(spec: ImplSpec, counts: ParamCounts, elem: int) -> dict[str, 
         # DDP / ZeRO-0: one all-reduce of the gradients.
         return {"all_reduce": elem * counts.total}
     gathered = 2 * counts.blocks + counts.root if spec.gathers_params_twice else counts.total
+    if spec.gathers_params_twice and spec.family is Family.MEGATRON_FSDP:
+        gathered -= counts.last_block
     return {"all_gather": elem * gathered, "reduce_scatter": elem * counts.total}
 
 
