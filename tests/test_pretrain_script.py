@@ -264,3 +264,18 @@ def test_lr_schedule_warms_up_then_decays_to_min(style):
     assert end == pytest.approx(expected)
     assert sched.lr_at(1000) == pytest.approx(max(0.1, (10 / 1000) ** 0.5) if style is LRDecayStyle.INVERSE_SQUARE_ROOT
                                               else expected)
+
+
+def test_gradient_health_stops_or_skips_divergent_iterations():
+    """A divergent run (absurd learning rate): with --check-for-nan-in-loss-and-grad
+    it stops with a clear error, as Megatron-LM does; without, the bad iterations are
+    skipped and counted in the iteration line."""
+    diverge = TINY + FSDP + ["--lr", "1e30", "--min-lr", "0", "--clip-grad", "0", "--train-iters", "4",
+                             "--log-interval", "1", "--eval-interval", "100", "--plot-path", "none"]
+    checked = torchrun(diverge + ["--check-for-nan-in-loss-and-grad"])
+    assert checked.returncode != 0
+    assert re.search(r"(NaN|nan|inf)", checked.stdout + checked.stderr)
+    assert "--no-check-for-nan-in-loss-and-grad" in checked.stdout + checked.stderr
+    unchecked = run_ok(diverge + ["--no-check-for-nan-in-loss-and-grad"])
+    counts = [int(n) for n in re.findall(r"number of nan iterations: +(\d+)", unchecked.stdout + unchecked.stderr)]
+    assert counts and max(counts) > 0, unchecked.stdout[-2000:]
