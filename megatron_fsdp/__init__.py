@@ -2,6 +2,7 @@
 
 from .collectives import CollectiveRecorder, record_collectives
 from .config import DistributedDataParallelConfig
+from .distributed_data_parallel import FullyShardedDataParallel
 from .distributed_index import FSDPDistributedIndex
 from .enums import BucketStatus, ShardingStrategy, TrainingState
 from .fully_shard import fully_shard, fully_shard_model, fully_shard_optimizer
@@ -16,6 +17,7 @@ __all__ = [
     "CollectiveRecorder",
     "DistributedDataParallelConfig",
     "FSDPDistributedIndex",
+    "FullyShardedDataParallel",
     "MegatronFSDP",
     "MixedPrecisionPolicy",
     "ShardingStrategy",
