@@ -52,22 +52,7 @@ def fully_shard_model(
     check_for_nan_in_grad: bool = False,
 ) -> MegatronFSDP:
     """Wrap ``module`` in ``MegatronFSDP``; see the README for the meaning of each argument."""
-    strategy = ShardingStrategy.parse(zero_dp_strategy, arg_name="zero_dp_strategy")
-    outer = ShardingStrategy.parse(
-        outer_dp_sharding_strategy,
-        arg_name="outer_dp_sharding_strategy",
-        allowed=(ShardingStrategy.NO_SHARD, ShardingStrategy.OPTIM),
-    )
-    if outer is ShardingStrategy.OPTIM and strategy is not ShardingStrategy.OPTIM_GRADS_PARAMS:
-        raise ValueError(
-            f"outer_dp_sharding_strategy='optim' (HFSDP) needs zero_dp_strategy=3/'optim_grads_params', "
-            f"got {strategy.label!r}: outer sharding builds on full inner sharding"
-        )
-    if (dp_outer_dim is None) != (hybrid_fsdp_group is None):
-        raise ValueError(
-            f"dp_outer_dim={dp_outer_dim!r} and hybrid_fsdp_group={hybrid_fsdp_group!r} go together for HSDP; "
-            "pass both (HSDP) or neither (FSDP)"
-        )
+    strategy, outer = _parse_strategies(zero_dp_strategy, outer_dp_sharding_strategy, dp_outer_dim, hybrid_fsdp_group)
     resolved_device = device_mod.resolve_device(device)
     if device_mesh is None:
         dp_shard_dim = dp_shard_dim or DEFAULT_DP_SHARD_DIM
@@ -115,6 +100,28 @@ def fully_shard_model(
     )
     model.preproc_state_dict_for_dcp_ckpt = preproc_state_dict_for_dcp_ckpt
     return model
+
+
+def _parse_strategies(
+    zero_dp_strategy: Any, outer_dp_sharding_strategy: Any, dp_outer_dim: Optional[str], hybrid_fsdp_group: Any
+) -> tuple[ShardingStrategy, ShardingStrategy]:
+    strategy = ShardingStrategy.parse(zero_dp_strategy, arg_name="zero_dp_strategy")
+    outer = ShardingStrategy.parse(
+        outer_dp_sharding_strategy,
+        arg_name="outer_dp_sharding_strategy",
+        allowed=(ShardingStrategy.NO_SHARD, ShardingStrategy.OPTIM),
+    )
+    if outer is ShardingStrategy.OPTIM and strategy is not ShardingStrategy.OPTIM_GRADS_PARAMS:
+        raise ValueError(
+            f"outer_dp_sharding_strategy='optim' (HFSDP) needs zero_dp_strategy=3/'optim_grads_params', "
+            f"got {strategy.label!r}: outer sharding builds on full inner sharding"
+        )
+    if (dp_outer_dim is None) != (hybrid_fsdp_group is None):
+        raise ValueError(
+            f"dp_outer_dim={dp_outer_dim!r} and hybrid_fsdp_group={hybrid_fsdp_group!r} go together for HSDP; "
+            "pass both (HSDP) or neither (FSDP)"
+        )
+    return strategy, outer
 
 
 def fully_shard_optimizer(
