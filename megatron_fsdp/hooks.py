@@ -119,9 +119,8 @@ class HookRuntime:
             self.all_gather.unshard_and_wait(self.root_groups)
 
     def root_post_forward(self, output: Any) -> Any:
-        if not self.forward_order:
-            pass
-        elif not self._order_final and torch.is_grad_enabled():
+        # The first training forward fixes the unit order used for prefetching.
+        if self.forward_order and torch.is_grad_enabled():
             self._order_final = True
         tensors = _grad_tensors(output) if torch.is_grad_enabled() else []
         if tensors:
