@@ -52,8 +52,8 @@ class AllGatherPipeline:
                     work.wait()
                 g.model_weights.status = BucketStatus.READY_TO_USE
 
-    def unshard_and_wait(self, groups: list[ParameterGroup], *, async_op: bool = False) -> None:
-        self.unshard(groups, async_op=async_op)
+    def unshard_and_wait(self, groups: list[ParameterGroup]) -> None:
+        self.unshard(groups, async_op=False)
         self.wait(groups)
 
     def reshard(self, groups: Iterable[ParameterGroup]) -> None:

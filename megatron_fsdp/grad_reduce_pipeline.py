@@ -143,9 +143,6 @@ class GradReducePipeline:
     def is_complete(self, group: ParameterGroup) -> bool:
         return len(self._state[group].ready) == len(group.params)
 
-    def is_launched(self, group: ParameterGroup) -> bool:
-        return self._state[group].launched
-
     # -- reduction -------------------------------------------------------------
     def _comm_dtype(self, group: ParameterGroup) -> torch.dtype:
         return self.policy.comm_dtype_for(group.dtype)

@@ -143,8 +143,7 @@ class HookRuntime:
         if not self._order_final and unit not in self.forward_order and torch.is_grad_enabled():
             self.forward_order.append(unit)
         with record_function(f"megatron_fsdp::unshard:{unit.name}"):
-            self.all_gather.unshard(unit.groups, async_op=False)
-            self.all_gather.wait(unit.groups)
+            self.all_gather.unshard_and_wait(unit.groups)
             self._prefetch(unit, step=1)
 
     def post_forward(self, unit: FSDPUnit, output: Any) -> Any:
@@ -170,8 +169,7 @@ class HookRuntime:
             return
         unit.state = TrainingState.PRE_BACKWARD
         with record_function(f"megatron_fsdp::unshard_backward:{unit.name}"):
-            self.all_gather.unshard(unit.groups, async_op=False)
-            self.all_gather.wait(unit.groups)
+            self.all_gather.unshard_and_wait(unit.groups)
             self._prefetch(unit, step=-1)
 
     def _prefetch(self, unit: FSDPUnit, *, step: int) -> None:

@@ -243,7 +243,7 @@ class MegatronFSDP(nn.Module):
         self.grad_reduce_pipeline.reduce_outer()
         self.param_and_grad_buffer.attach_grads()
         if self.report_nan_in_param_grads:
-            self._report_nan_in_grads()
+            self.report_nan_in_param_grad()
 
     def zero_grad_buffer(self) -> None:
         self.grad_reduce_pipeline.zero()
@@ -253,12 +253,12 @@ class MegatronFSDP(nn.Module):
         self.grad_reduce_pipeline.wait_all()
         for group in self.param_and_grad_buffer.grad_groups:
             group.main_grads.data.mul_(scaling_factor)
+        # Views follow the buffer; dtype-cast copies (main grads narrower than the
+        # main weights) were taken before the scaling and must be taken again.
+        self.param_and_grad_buffer.attach_grads()
 
     def report_nan_in_param_grad(self) -> list[str]:
         """Names of parameters whose reduced gradient holds NaN/Inf on this rank (logged)."""
-        return self._report_nan_in_grads()
-
-    def _report_nan_in_grads(self) -> list[str]:
         bad = []
         for name, dist_param in self.param_and_grad_buffer.named_dist_params():
             grad = dist_param.grad

@@ -84,7 +84,3 @@ def materialize_meta_module(module: nn.Module, buffer: ParamAndGradBuffer, devic
         left = [n for n, t in list(module.named_parameters()) + list(module.named_buffers()) if t.device.type == "meta"]
         raise ValueError(f"meta-device tensors were not materialised: {left}; give their modules reset_parameters()")
     return peak
-
-
-def _resets(module: nn.Module) -> bool:
-    return callable(getattr(module, "reset_parameters", None))

@@ -227,3 +227,26 @@ def test_config_maps_megatron_dtype_flags_to_the_policy():
     assert cfg.mixed_precision_policy() == mf.MixedPrecisionPolicy(main_grads_dtype=torch.bfloat16)
     legacy = mf.DistributedDataParallelConfig(grad_reduce_in_fp32=True, preserve_fp32_weights=False)
     assert legacy.mixed_precision_policy() == mf.MixedPrecisionPolicy(main_params_dtype=None, main_grads_dtype=torch.float32)
+
+
+def scale_cast_grads_worker(rank, world, *, strategy):
+    """scale_gradients reaches the optimizer even when its gradients are dtype casts
+    (bf16 main grads, fp32 main weights)."""
+    model = mf.fully_shard_model(
+        make_model("net").to(torch.bfloat16), fsdp_unit_modules=[Block], zero_dp_strategy=strategy,
+        mixed_precision_policy=mf.MixedPrecisionPolicy(main_params_dtype="fp32", main_grads_dtype="bf16"),
+    )
+    x, y = make_batches("net", 1, batch=4 * world)[0]
+    loss_fn("net", model(x.chunk(world)[rank].to(torch.bfloat16)), y.chunk(world)[rank].to(torch.bfloat16)).backward()
+
+    def local(p):
+        return (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).clone()
+
+    before = [local(p) for p in model.parameters()]
+    model.scale_gradients(0.5)
+    return all(torch.equal(local(p), g * 0.5) for p, g in zip(model.parameters(), before))
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim_grads_params"])
+def test_scale_gradients_reaches_cast_gradients(pool2, strategy):
+    assert all(pool2.run(scale_cast_grads_worker, strategy=strategy))

@@ -62,8 +62,8 @@ class ModelBundle:
 
     def nan_grad_names(self) -> list[str]:
         """Names of parameters whose reduced gradient holds NaN/Inf, from every rank."""
-        if self.is_fsdp and hasattr(self.model, "_report_nan_in_grads"):
-            local = self.model._report_nan_in_grads()
+        if self.is_fsdp and hasattr(self.model, "report_nan_in_param_grad"):
+            local = self.model.report_nan_in_param_grad()
         else:
             local = [n for n, p in self.model.named_parameters()
                      if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
