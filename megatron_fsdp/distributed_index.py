@@ -31,25 +31,32 @@ def _check_dim(mesh: DeviceMesh, dim: Optional[str], arg_name: str) -> None:
         )
 
 
-_default_meshes: dict[tuple, DeviceMesh] = {}
+_meshes: dict[tuple, DeviceMesh] = {}
 
 
-def build_default_mesh(device_type: str, dp_shard_dim: str = DEFAULT_DP_SHARD_DIM, tp_dim: str = DEFAULT_TP_DIM) -> DeviceMesh:
-    """A (world, 1) mesh: every rank shards, tensor parallelism is trivial.
-
-    Cached per process group: building a mesh creates process groups, and a
-    long-lived process that wraps many models should not pile them up."""
+def _world_size() -> int:
     if not dist.is_initialized():
         raise RuntimeError(
             "torch.distributed is not initialized; call torch.distributed.init_process_group() "
             "(e.g. launch with torchrun) before sharding a model"
         )
-    key = (id(dist.group.WORLD), device_type, dist.get_world_size(), dp_shard_dim, tp_dim)
-    if key not in _default_meshes:
-        _default_meshes[key] = init_device_mesh(
-            device_type, (dist.get_world_size(), 1), mesh_dim_names=(dp_shard_dim, tp_dim)
-        )
-    return _default_meshes[key]
+    return dist.get_world_size()
+
+
+def _cached_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    """Build (once per process group) a mesh over the whole world.
+
+    Building a mesh creates process groups; a long-lived process that wraps many
+    models should not pile them up."""
+    key = (id(dist.group.WORLD), device_type, shape, names)
+    if key not in _meshes:
+        _meshes[key] = init_device_mesh(device_type, shape, mesh_dim_names=names)
+    return _meshes[key]
+
+
+def build_default_mesh(device_type: str, dp_shard_dim: str = DEFAULT_DP_SHARD_DIM, tp_dim: str = DEFAULT_TP_DIM) -> DeviceMesh:
+    """A (world, 1) mesh: every rank shards, tensor parallelism is trivial."""
+    return _cached_mesh(device_type, (_world_size(), 1), (dp_shard_dim, tp_dim))
 
 
 def build_hybrid_mesh(
@@ -61,22 +68,15 @@ def build_hybrid_mesh(
     tp_dim: str = DEFAULT_TP_DIM,
 ) -> DeviceMesh:
     """An (outer, shard, 1) mesh for HSDP/HFSDP: ``outer_size`` replicas (Megatron's
-    ``num_distributed_optimizer_instances``) of a shard group. Cached like the default."""
-    if not dist.is_initialized():
-        raise RuntimeError("torch.distributed is not initialized; call init_process_group() first")
-    world = dist.get_world_size()
+    ``num_distributed_optimizer_instances``) of a shard group."""
+    world = _world_size()
     if outer_size < 1 or world % outer_size:
         divisors = [d for d in range(1, world + 1) if world % d == 0]
         raise ValueError(
             f"num_distributed_optimizer_instances={outer_size} does not divide the world size {world}; "
             f"use one of {divisors}"
         )
-    key = (id(dist.group.WORLD), device_type, world, outer_size, dp_outer_dim, dp_shard_dim, tp_dim)
-    if key not in _default_meshes:
-        _default_meshes[key] = init_device_mesh(
-            device_type, (outer_size, world // outer_size, 1), mesh_dim_names=(dp_outer_dim, dp_shard_dim, tp_dim)
-        )
-    return _default_meshes[key]
+    return _cached_mesh(device_type, (outer_size, world // outer_size, 1), (dp_outer_dim, dp_shard_dim, tp_dim))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
