@@ -33,9 +33,8 @@ class AllGatherPipeline:
             if buf.status is not BucketStatus.EMPTY:
                 continue
             bucket = buf.allocate_bucket()
-            # A replicated buffer gathers into itself: the input must not alias the
-            # output, so its shard is copied out first.
-            source = buf.data if buf.is_distributed else buf.shard.clone()
+            # A replicated buffer gathers into itself, from its own shard.
+            source = buf.data if buf.is_distributed else buf.shard
             work = collectives.all_gather(bucket, source, g.dp.shard_group, async_op=async_op, label=g.label)
             if async_op:
                 buf.status = BucketStatus.COMMUNICATING

@@ -9,11 +9,13 @@ import contextlib
 import dataclasses
 import datetime
 from collections import Counter
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 from torch.profiler import record_function
+
+from . import p2p_transport
 
 
 @dataclasses.dataclass
@@ -78,24 +80,34 @@ def set_collective_timeout(seconds: Optional[float]) -> None:
 
 @dataclasses.dataclass
 class Handle:
-    """An in-flight collective: ``wait()`` raises ``CollectiveError`` naming it."""
+    """An in-flight collective: ``wait()`` raises ``CollectiveError`` naming it.
 
-    work: dist.Work
+    A collective may be several transport operations (point-to-point sends and
+    receives) plus a local ``finish`` step (summing received pieces) that runs once,
+    on the first ``wait()`` after they all completed."""
+
+    works: list
     kind: str
     label: str
     group: dist.ProcessGroup
+    finish: Optional[Callable[[], None]] = None
 
     def is_completed(self) -> bool:
-        return self.work.is_completed()
+        return all(work.is_completed() for work in self.works)
 
     def wait(self) -> None:
         try:
-            if _timeout is None:
-                self.work.wait()
-            elif not self.work.wait(timeout=_timeout):
-                raise TimeoutError(f"no completion within {_timeout.total_seconds():g}s")
+            for work in self.works:
+                if _timeout is None:
+                    work.wait()
+                elif not work.wait(timeout=_timeout):
+                    raise TimeoutError(f"no completion within {_timeout.total_seconds():g}s")
         except Exception as exc:  # a dead peer surfaces as a gloo/NCCL RuntimeError
             raise _error(self.kind, self.label, self.group, exc) from exc
+        self.works = []
+        if self.finish is not None:
+            finish, self.finish = self.finish, None
+            finish()
 
 
 def _error(kind: str, label: str, group: dist.ProcessGroup, exc: BaseException) -> CollectiveError:
@@ -109,9 +121,12 @@ def _error(kind: str, label: str, group: dist.ProcessGroup, exc: BaseException) 
 
 def _issue(kind: str, label: str, group: dist.ProcessGroup, launch, async_op: bool) -> Optional[Handle]:
     """Launch asynchronously always, so that a synchronous call also waits with the
-    timeout and fails with a named error instead of hanging."""
+    timeout and fails with a named error instead of hanging. ``launch`` returns a
+    ``Work`` or a (works, finish) pair from a point-to-point transport."""
     try:
-        handle = Handle(launch(), kind, label, group)
+        launched = launch()
+        works, finish = launched if isinstance(launched, tuple) else ([launched], None)
+        handle = Handle(works, kind, label, group, finish)
     except Exception as exc:
         raise _error(kind, label, group, exc) from exc
     if async_op:
@@ -123,12 +138,17 @@ def _issue(kind: str, label: str, group: dist.ProcessGroup, launch, async_op: bo
 def all_gather(
     output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool, label: str = ""
 ) -> Optional[Handle]:
-    """Gather equal shards into ``output`` (flat, ``group.size() * shard.numel()``)."""
+    """Gather equal shards into ``output`` (flat, ``group.size() * shard.numel()``).
+    ``shard`` may be this rank's own slice of ``output`` (an in-place gather)."""
     _record("all_gather", output, label)
     with record_function(f"megatron_fsdp::all_gather:{label}"):
-        return _issue(
-            "all_gather", label, group, lambda: _all_gather_flat(output, shard, group=group, async_op=True), async_op
-        )
+        if p2p_transport.applies(group):
+            launch = lambda: p2p_transport.all_gather(output, shard, group)  # noqa: E731
+        else:
+            if _aliases(shard, output):
+                shard = shard.clone()  # NCCL/gloo collectives need a distinct input
+            launch = lambda: _all_gather_flat(output, shard, group=group, async_op=True)  # noqa: E731
+        return _issue("all_gather", label, group, launch, async_op)
 
 
 def reduce_scatter(
@@ -140,16 +160,19 @@ def reduce_scatter(
     async_op: bool,
     label: str = "",
 ) -> Optional[Handle]:
-    """Reduce ``full`` across the group; this rank's shard lands in ``output``."""
+    """Reduce ``full`` across the group; this rank's shard lands in ``output``
+    (which may be this rank's own slice of ``full``)."""
     _record("reduce_scatter", full, label)
     with record_function(f"megatron_fsdp::reduce_scatter:{label}"):
-        return _issue(
-            "reduce_scatter",
-            label,
-            group,
-            lambda: _reduce_scatter_flat(output, full, op=op, group=group, async_op=True),
-            async_op,
-        )
+        if p2p_transport.applies(group):
+            launch = lambda: p2p_transport.reduce_scatter(output, full, group, op)  # noqa: E731
+        else:
+            launch = lambda: _reduce_scatter_flat(output, full, op=op, group=group, async_op=True)  # noqa: E731
+        return _issue("reduce_scatter", label, group, launch, async_op)
+
+
+def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and a.numel() > 0
 
 
 def all_reduce(

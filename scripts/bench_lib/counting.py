@@ -13,6 +13,12 @@ all-reduce or broadcast.
   never called. ``install`` therefore also rebinds every module-level alias of a
   patched function found in an imported module (outside ``torch.distributed``'s own
   ``distributed_c10d``) and reports where it did so.
+* megatron_fsdp over gloo moves its all-gathers and reduce-scatters as
+  point-to-point messages (``megatron_fsdp/p2p_transport.py``), which no wrapper
+  of a torch collective sees. Its collective entry points
+  (``megatron_fsdp.collectives.all_gather`` ...) are therefore wrapped too, with
+  the same payload definition; a torch collective called inside one of them (the
+  native path, e.g. NCCL) is not counted a second time.
 * DDP's reducer all-reduces from C++. A communication hook that delegates to
   ``default_hooks.allreduce_hook`` makes it call ``dist.all_reduce`` from Python,
   where this same wrapper counts it; the hook also tallies bucket sizes, as a
@@ -61,6 +67,15 @@ _TARGETS: dict[str, tuple[str, str, Callable[[Any], int]]] = {
 }
 
 
+# megatron_fsdp.collectives function -> the same triple.
+_PACKAGE_TARGETS: dict[str, tuple[str, str, Callable[[Any], int]]] = {
+    "all_gather": ("all_gather", "output", _nbytes),
+    "reduce_scatter": ("reduce_scatter", "full", _nbytes),
+    "all_reduce": ("all_reduce", "tensor", _nbytes),
+    "broadcast": ("broadcast", "tensor", _nbytes),
+}
+
+
 @dataclasses.dataclass
 class CollectiveCounter:
     """Calls and payload bytes per collective kind while ``enabled``."""
@@ -84,8 +99,8 @@ class CollectiveCounter:
             self.counts[kind] += 1
             self.bytes[kind] += nbytes
 
-    def wrap(self, name: str, original: Callable) -> Callable:
-        kind, arg_name, sizer = _TARGETS[name]
+    def wrap(self, name: str, original: Callable, targets: dict = _TARGETS) -> Callable:
+        kind, arg_name, sizer = targets[name]
         signature = inspect.signature(original)
 
         @functools.wraps(original)
@@ -127,6 +142,12 @@ class CollectiveCounter:
                 if entry is not None and callable(value):
                     setattr(module, attr, entry[1])
                     self.patch_sites.append(f"{module_name}.{attr}")
+        package = sys.modules.get("megatron_fsdp.collectives")
+        for name in _PACKAGE_TARGETS if package is not None else ():
+            original = getattr(package, name)
+            if not hasattr(original, "__bench_original__"):
+                setattr(package, name, self.wrap(name, original, _PACKAGE_TARGETS))
+                self.patch_sites.append(f"megatron_fsdp.collectives.{name}")
         logger.info("collective counter installed at: %s", ", ".join(self.patch_sites))
 
     def ddp_hook(self, base_hook: Callable) -> Callable:
