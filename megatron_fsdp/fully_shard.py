@@ -50,6 +50,7 @@ def fully_shard_model(
     fsdp_double_buffer: bool = False,
     enable_fine_grained_param_gather: bool = False,
     check_for_nan_in_grad: bool = False,
+    suggested_communication_unit_size: Optional[int] = None,
 ) -> MegatronFSDP:
     """Wrap ``module`` in ``MegatronFSDP``; see the README for the meaning of each argument."""
     strategy, outer = _parse_strategies(zero_dp_strategy, outer_dp_sharding_strategy, dp_outer_dim, hybrid_fsdp_group)
@@ -71,6 +72,7 @@ def fully_shard_model(
         keep_fp8_transpose_cache=keep_fp8_transpose_cache,
         nccl_ub=nccl_ub,
         fsdp_double_buffer=fsdp_double_buffer or nccl_ub,
+        suggested_communication_unit_size=suggested_communication_unit_size,
         megatron_fsdp_main_params_dtype=mixed_precision_policy.main_params_dtype,
         megatron_fsdp_main_grads_dtype=mixed_precision_policy.main_grads_dtype,
         megatron_fsdp_grad_comm_dtype=mixed_precision_policy.grad_comm_dtype,

@@ -31,7 +31,7 @@ from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten
 
 from .all_gather_pipeline import AllGatherPipeline
-from .enums import TrainingState
+from .enums import ShardingStrategy, TrainingState
 from .grad_reduce_pipeline import GradReducePipeline
 from .param_and_grad_buffer import ParamAndGradBuffer, ParameterGroup
 
@@ -42,9 +42,15 @@ logger = logging.getLogger(__name__)
 class FSDPUnit:
     index: int
     name: str
-    module: nn.Module
+    modules: tuple[nn.Module, ...]
+    """One module, or neighbours merged into one communication unit (units.py)."""
     groups: list[ParameterGroup]
     state: TrainingState = TrainingState.IDLE
+
+    @property
+    def gathers(self) -> bool:
+        """no_shard groups are never gathered: such a unit needs no module hooks."""
+        return any(g.strategy is not ShardingStrategy.NO_SHARD for g in self.groups)
 
 
 def _grad_tensors(output: Any) -> list[torch.Tensor]:
@@ -84,8 +90,12 @@ class HookRuntime:
     # -- registration -------------------------------------------------------------
     def register(self) -> None:
         for unit in self.units:
-            self._handles.append(unit.module.register_forward_pre_hook(self._make_pre_forward(unit)))
-            self._handles.append(unit.module.register_forward_hook(self._make_post_forward(unit)))
+            if not unit.gathers:
+                continue
+            for module in unit.modules:
+                self._handles.append(module.register_forward_pre_hook(self._make_pre_forward(unit)))
+                last = module is unit.modules[-1]
+                self._handles.append(module.register_forward_hook(self._make_post_forward(unit, last)))
         for group in self.buffer.grad_groups:
             for index, param in enumerate(group.params):
                 self._handles.append(param.register_post_accumulate_grad_hook(self._make_grad_hook(group, index)))
@@ -101,9 +111,9 @@ class HookRuntime:
 
         return hook
 
-    def _make_post_forward(self, unit: FSDPUnit):
+    def _make_post_forward(self, unit: FSDPUnit, last: bool):
         def hook(module, args, output):
-            return self.post_forward(unit, output)
+            return self.post_forward(unit, output, last=last)
 
         return hook
 
@@ -116,7 +126,12 @@ class HookRuntime:
     # -- root ---------------------------------------------------------------------
     def root_pre_forward(self) -> None:
         with record_function("megatron_fsdp::root_pre_forward"):
-            self.all_gather.unshard_and_wait(self.root_groups)
+            # One round trip for the root's groups and the first unit: each blocking
+            # gather would otherwise wait out the ranks' skew and latency in turn.
+            self.all_gather.unshard(self.root_groups, async_op=True)
+            if self.prefetch_depth and self.forward_order:
+                self.all_gather.unshard(self.forward_order[0].groups, async_op=True)
+            self.all_gather.wait(self.root_groups)
 
     def root_post_forward(self, output: Any) -> Any:
         # The first training forward fixes the unit order used for prefetching.
@@ -146,15 +161,18 @@ class HookRuntime:
             self.all_gather.unshard_and_wait(unit.groups)
             self._prefetch(unit, step=1)
 
-    def post_forward(self, unit: FSDPUnit, output: Any) -> Any:
+    def post_forward(self, unit: FSDPUnit, output: Any, *, last: bool = True) -> Any:
+        """``last``: the output of the unit's last module (a merged unit releases
+        its weights only after all its modules ran)."""
         if unit.state is TrainingState.PRE_BACKWARD:
             return output
-        unit.state = TrainingState.IDLE
         training = torch.is_grad_enabled()
         # The last unit of the forward is the first of the backward: releasing it
         # only to gather it again at once costs a blocking all-gather and saves no
         # memory. It is released when its gradients are done (or at the end).
-        keep = training and self._order_final and self.forward_order and unit is self.forward_order[-1]
+        keep = not last or (training and self._order_final and self.forward_order and unit is self.forward_order[-1])
+        if last:
+            unit.state = TrainingState.IDLE
         if not keep:
             with record_function(f"megatron_fsdp::reshard:{unit.name}"):
                 self.all_gather.reshard(unit.groups)

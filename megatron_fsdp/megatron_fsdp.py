@@ -25,6 +25,7 @@ from .marks import is_fsdp_no_shard
 from .meta_init import has_meta_tensors, materialize_meta_module
 from .mixed_precision import MixedPrecisionPolicy
 from .param_and_grad_buffer import ParamAndGradBuffer
+from .units import NO_SHARD_UNIT_SIZE, merge_units, split_into_parameter_owners
 
 logger = logging.getLogger(__name__)
 
@@ -97,9 +98,14 @@ class MegatronFSDP(nn.Module):
         self.module = module
 
         units = self._find_units(module, resolve_unit_classes(fsdp_unit_modules), enable_fine_grained_param_gather_hook)
+        merge_limit = self.ddp_config.suggested_communication_unit_size
+        if merge_limit is None and self.strategy is ShardingStrategy.NO_SHARD:
+            merge_limit = NO_SHARD_UNIT_SIZE
+        units = merge_units(units, merge_limit)
         self.param_and_grad_buffer = ParamAndGradBuffer(
             module,
-            unit_modules=[m for _, m in units],
+            unit_modules=[u.modules for u in units],
+            root_merge_limit=merge_limit,
             strategy=self.strategy,
             policy=self.mp_policy,
             dist_index=self.dist_index,
@@ -122,7 +128,7 @@ class MegatronFSDP(nn.Module):
             {g.params[i]: v for g in buffer.grad_groups for i in range(len(g.params)) if (v := buffer.grad_view(g, i)) is not None}
         )
         self.units = [
-            FSDPUnit(index=i, name=name, module=m, groups=buffer.groups_of_unit(i)) for i, (name, m) in enumerate(units)
+            FSDPUnit(index=i, name=u.name, modules=u.modules, groups=buffer.groups_of_unit(i)) for i, u in enumerate(units)
         ]
         self._auto_sync = sync_model_each_microbatch
         self.backward_since_step = False
@@ -149,9 +155,6 @@ class MegatronFSDP(nn.Module):
         cfg = self.ddp_config
         unsupported = {
             "fsdp_double_buffer=True (fixed double-buffer allocator)": cfg.fsdp_double_buffer,
-            "suggested_communication_unit_size (merging small units into one collective)": (
-                cfg.suggested_communication_unit_size is not None
-            ),
             "nccl_ub=True (NCCL user-buffer registration)": cfg.nccl_ub,
             "keep_fp8_transpose_cache=True (TransformerEngine FP8 parameters)": cfg.keep_fp8_transpose_cache,
             "fp8_param_gather=True (TransformerEngine FP8 parameters)": cfg.fp8_param_gather,
@@ -178,7 +181,7 @@ class MegatronFSDP(nn.Module):
             )
             units = [("<root>", module)]
         if fine_grained:
-            units = _split_into_parameter_owners(units)
+            units = split_into_parameter_owners(units)
         # Units whose parameters all stay replicated need no gathering hooks.
         return [(name, m) for name, m in units if not all(is_fsdp_no_shard(p) for p in m.parameters())]
 
@@ -368,19 +371,6 @@ def _is_wrapper(module: nn.Module) -> bool:
     except ImportError:  # older torch
         return False
     return isinstance(module, FSDPModule)
-
-
-def _split_into_parameter_owners(units: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
-    """Fine-grained gathering: every module that owns parameters directly inside a
-    unit becomes a unit of its own, so weights are gathered per module."""
-    out: list[tuple[str, nn.Module]] = []
-    seen: set[int] = set()
-    for unit_name, unit in units:
-        for name, m in unit.named_modules():
-            if id(m) not in seen and any(True for _ in m.parameters(recurse=False)):
-                seen.add(id(m))
-                out.append((f"{unit_name}.{name}" if name else unit_name, m))
-    return out
 
 
 def _check_module(module: nn.Module, device: torch.device, *, allow_meta: bool = False) -> None:

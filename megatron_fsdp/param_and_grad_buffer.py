@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -37,6 +37,7 @@ from .enums import ShardingStrategy
 from .layout import BucketLayout
 from .marks import is_expert_param, is_fsdp_no_shard
 from .mixed_precision import MixedPrecisionPolicy
+from .units import plan_merge
 
 logger = logging.getLogger(__name__)
 
@@ -101,26 +102,43 @@ class ParameterGroup:
         return f"ParameterGroup({self.label}, {self.strategy.label}, params={len(self.params)}, numel={self.layout.numel})"
 
 
-def assign_units(module: nn.Module, unit_modules: list[nn.Module]) -> dict[nn.Parameter, Optional[int]]:
-    """Map each parameter to the innermost unit that owns it.
+def assign_units(module: nn.Module, unit_modules: Sequence[Sequence[nn.Module]]) -> dict[nn.Parameter, Optional[int]]:
+    """Map each parameter to the innermost unit that owns it (a unit is one or
+    more modules).
 
-    A unit owns the parameters of its subtree minus those of nested units. A
-    parameter reached from two units (tied weights) belongs to no unit: it is kept
-    gathered for the whole step, since either unit may need it at any time.
+    A unit owns the parameters of its modules' subtrees minus those of modules of
+    other units nested inside. A parameter reached from two units (tied weights)
+    belongs to no unit: it is kept gathered for the whole step, since either unit
+    may need it at any time.
     """
     owners: dict[nn.Parameter, set[int]] = {}
-    unit_ids = {id(m): i for i, m in enumerate(unit_modules)}
-    for index, unit in enumerate(unit_modules):
-        nested = [m for m in unit.modules() if m is not unit and id(m) in unit_ids]
-        nested_params = {id(p) for m in nested for p in m.parameters()}
-        for p in unit.parameters():
-            if id(p) not in nested_params:
-                owners.setdefault(p, set()).add(index)
+    unit_of_module = {id(m): i for i, members in enumerate(unit_modules) for m in members}
+    for index, members in enumerate(unit_modules):
+        for member in members:
+            nested = [m for m in member.modules() if unit_of_module.get(id(m), index) != index]
+            nested_params = {id(p) for m in nested for p in m.parameters()}
+            for p in member.parameters():
+                if id(p) not in nested_params:
+                    owners.setdefault(p, set()).add(index)
     result: dict[nn.Parameter, Optional[int]] = {}
     for p in module.parameters():
         units = owners.get(p, set())
         result[p] = next(iter(units)) if len(units) == 1 else ROOT_UNIT
     return result
+
+
+def root_owners(names: dict[nn.Parameter, str], unit_of: dict, limit: Optional[int]) -> dict[str, int]:
+    """Parameters outside units are bucketed by top-level module: their gradients
+    arrive at very different times (the final norm's first, the embedding's last),
+    and one bucket would stay open all backward long. A communication-unit size
+    merges neighbouring top-level modules up to that many elements."""
+    numel: dict[str, int] = {}
+    for p, name in names.items():
+        if unit_of[p] is ROOT_UNIT:
+            top = name.split(".")[0]
+            numel[top] = numel.get(top, 0) + p.numel()
+    tops = list(numel)
+    return {tops[i]: run_index for run_index, run in enumerate(plan_merge([numel[t] for t in tops], limit)) for i in run}
 
 
 class ParamAndGradBuffer:
@@ -130,15 +148,17 @@ class ParamAndGradBuffer:
         self,
         module: nn.Module,
         *,
-        unit_modules: list[nn.Module],
+        unit_modules: Sequence[Sequence[nn.Module]],
         strategy: ShardingStrategy,
         policy: MixedPrecisionPolicy,
         dist_index: FSDPDistributedIndex,
         device: torch.device,
         disable_bucketing: bool = False,
         bucket_size: Optional[int] = None,
+        root_merge_limit: Optional[int] = None,
     ) -> None:
         self.strategy = strategy
+        self.root_merge_limit = root_merge_limit
         self.bucket_size = bucket_size
         self.policy = policy
         self.dist_index = dist_index
@@ -154,15 +174,13 @@ class ParamAndGradBuffer:
         self._grad_views: dict[nn.Parameter, torch.Tensor] = {}
 
     # -- construction ----------------------------------------------------------
-    def _build_groups(self, module: nn.Module, unit_modules: list[nn.Module]) -> list[ParameterGroup]:
+    def _build_groups(self, module: nn.Module, unit_modules: Sequence[Sequence[nn.Module]]) -> list[ParameterGroup]:
         unit_of = assign_units(module, unit_modules)
+        root_owner = root_owners(self.param_names, unit_of, self.root_merge_limit)
         keyed: dict[tuple, list[nn.Parameter]] = {}
         filled: dict[tuple, tuple[int, int]] = {}  # kind -> (current bucket, its numel)
         for p, name in self.param_names.items():
-            # Parameters outside units are bucketed by top-level module: their
-            # gradients arrive at very different times (the final norm's first, the
-            # embedding's last), and one bucket would stay open all backward long.
-            owner = name.split(".")[0] if unit_of[p] is ROOT_UNIT else ""
+            owner = root_owner[name.split(".")[0]] if unit_of[p] is ROOT_UNIT else -1
             kind = (unit_of[p], owner, p.dtype, p.requires_grad, is_expert_param(p), is_fsdp_no_shard(p))
             bucket, numel = filled.get(kind, (0, 0))
             # disable_bucketing: one group (and one collective) per parameter;

@@ -53,9 +53,10 @@ EXPECTED = {
     # ZeRO-1: one reduce-scatter per step, whatever the microbatch count.
     ("optim", 1): {"all_gather": 5, "reduce_scatter": 5},
     ("optim", 2): {"all_gather": 5, "reduce_scatter": 5},
-    # ZeRO-0: one all-reduce per group per step.
-    ("no_shard", 1): {"all_reduce": 5},
-    ("no_shard", 2): {"all_reduce": 5},
+    # ZeRO-0: the units merge into one communication unit, the root modules into
+    # another (units.NO_SHARD_UNIT_SIZE), and each all-reduces once per step.
+    ("no_shard", 1): {"all_reduce": 2},
+    ("no_shard", 2): {"all_reduce": 2},
 }
 
 

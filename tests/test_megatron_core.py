@@ -156,7 +156,7 @@ def mcore_parity_worker(rank, world, *, strategy, use_pg_collection, steps=3):
             "mask_diff": mask_diff,
             "sharded_keys_equal": sorted(ref_sharded) == sorted(our_sharded),
             "state_keys_equal": sorted(ref.state_dict()) == sorted(fsdp.state_dict()),
-            "units": [type(u.module).__name__ for u in fsdp.module.units],
+            "units": [type(m).__name__ for u in fsdp.module.units for m in u.modules],
         }
 
 

@@ -31,6 +31,7 @@ def parity_worker(
     model_kwargs=None,
     freeze=False,
     units=True,
+    suggested=None,
 ):
     torch.manual_seed(0)
     model = make_model(kind, **(model_kwargs or {}))
@@ -46,6 +47,7 @@ def parity_worker(
         zero_dp_strategy=strategy,
         overlap_grad_reduce=overlap,
         overlap_param_gather=overlap,
+        suggested_communication_unit_size=suggested,
     )
     for x, y in batches:
         opt.zero_grad()
@@ -82,8 +84,11 @@ def test_parity_gradient_accumulation(pool, strategy, optimizer):
         dict(model_kwargs=dict(recompute=True)),
         dict(units=False),
         dict(optimizer="sgd_momentum", model_kwargs=dict(d=13, depth=2)),
+        # Blocks hold 246 elements: 600 merges blocks 0 and 1 into one communication unit.
+        dict(suggested=600, optimizer="adamw"),
+        dict(suggested=600, model_kwargs=dict(recompute=True)),
     ],
-    ids=["frozen", "tied", "recompute", "no_units", "odd_sizes_momentum"],
+    ids=["frozen", "tied", "recompute", "no_units", "odd_sizes_momentum", "merged_units", "merged_recompute"],
 )
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_parity_model_variants(pool, strategy, variant):

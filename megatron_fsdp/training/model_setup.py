@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 from typing import Callable, Optional
 
 import torch
@@ -31,7 +30,6 @@ from megatron_fsdp.models.gpt import GPT, GPTConfig, TransformerBlock
 
 from .arguments import Precision
 
-logger = logging.getLogger(__name__)
 
 _PRECISION_DTYPES = {Precision.FP32: torch.float32, Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
 
@@ -193,10 +191,6 @@ def ddp_config_from_args(args) -> mf.DistributedDataParallelConfig:
 
 def _wrap_megatron_fsdp(module: nn.Module, args, device: torch.device, unit_modules) -> nn.Module:
     ddp_config = ddp_config_from_args(args)
-    if args.suggested_communication_unit_size is not None:
-        logger.warning("--suggested-communication-unit-size=%d is recorded in the DDP config but "
-                       "fully_shard_model has no such knob yet; units are communicated one by one",
-                       args.suggested_communication_unit_size)
     if args.use_mcore_models:
         from megatron_fsdp.distributed_data_parallel import FullyShardedDataParallel
 
@@ -216,6 +210,7 @@ def _wrap_megatron_fsdp(module: nn.Module, args, device: torch.device, unit_modu
         fsdp_double_buffer=args.fsdp_double_buffer,
         nccl_ub=args.use_nccl_ub,
         check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad,
+        suggested_communication_unit_size=args.suggested_communication_unit_size,
         **_hsdp_kwargs(args, device),
     )
 

@@ -1,0 +1,84 @@
+"""Communication units: merging small neighbouring units into one collective."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import megatron_fsdp as mf
+from megatron_fsdp.units import merge_units, owned_numels, plan_merge
+from models import Block, loss_fn, make_batches, make_model
+
+
+@pytest.mark.parametrize(
+    "numels, limit, runs",
+    [
+        ([3, 3, 3], None, [[0], [1], [2]]),
+        ([3, 3, 3], 6, [[0, 1], [2]]),
+        ([3, 3, 3], 9, [[0, 1, 2]]),
+        ([10, 1, 1, 10], 5, [[0], [1, 2], [3]]),  # an oversized item stays alone
+        ([1, 10, 1], 5, [[0], [1], [2]]),  # never merged across an oversized one
+        ([], 5, []),
+    ],
+)
+def test_plan_merge_packs_neighbours(numels, limit, runs):
+    assert plan_merge(numels, limit) == runs
+
+
+def test_merge_units_names_and_members():
+    model = make_model("net")  # three Blocks of 246 elements
+    units = [(f"blocks.{i}", b) for i, b in enumerate(model.blocks)]
+    assert owned_numels(units) == [246, 246, 246]
+    merged = merge_units(units, 600)
+    assert [u.name for u in merged] == ["blocks.0..blocks.1", "blocks.2"]
+    assert merged[0].modules == (model.blocks[0], model.blocks[1])
+    assert [u.modules for u in merge_units(units, None)] == [(b,) for b in model.blocks]
+
+
+def test_nested_units_are_never_merged():
+    outer = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 2)))
+    units = [("outer", outer), ("outer.1", outer[1]), ("side", nn.Linear(2, 2)), ("side2", nn.Linear(2, 2))]
+    merged = merge_units(units, 10_000)
+    assert [u.name for u in merged] == ["outer", "outer.1", "side..side2"]
+    # The parent owns only what its nested unit does not.
+    assert owned_numels(units)[:2] == [6, 6]
+
+
+def count_worker(rank, world, *, strategy, suggested):
+    torch.manual_seed(0)
+    model = make_model("net")
+    fsdp, opt = mf.fully_shard(
+        model,
+        lambda p: torch.optim.SGD(p, lr=0.1),
+        fsdp_unit_modules=[Block],
+        zero_dp_strategy=strategy,
+        suggested_communication_unit_size=suggested,
+    )
+    batches = make_batches("net", 2, batch=4 * world)
+    counts = None
+    for step, (x, y) in enumerate(batches):
+        with mf.record_collectives() as rec:
+            opt.zero_grad()
+            loss_fn("net", fsdp(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+            opt.step()
+            fsdp.finish_param_sync()
+        counts = dict(rec.counts)  # the second step: the forward order is known
+    hooked = sum(len(m._forward_pre_hooks) for m in model.blocks)
+    return counts, len(fsdp.units), hooked
+
+
+def test_merged_units_gather_and_reduce_once_each(pool2):
+    # Root modules inp+out merge into one group, blocks 0+1 into one unit, block 2 alone.
+    counts, units, _ = pool2.run(count_worker, strategy="optim_grads_params", suggested=600)[0]
+    assert units == 2
+    # Forward: root, {0,1}, {2}; backward re-gathers {0,1} only (the last unit stays).
+    assert counts == {"all_gather": 4, "reduce_scatter": 3}
+    plain, units, _ = pool2.run(count_worker, strategy="optim_grads_params", suggested=None)[0]
+    assert units == 3 and plain == {"all_gather": 7, "reduce_scatter": 5}
+
+
+def test_no_shard_units_merge_by_default_and_need_no_hooks(pool2):
+    counts, units, hooked = pool2.run(count_worker, strategy="no_shard", suggested=None)[0]
+    assert units == 1 and hooked == 0
+    assert counts == {"all_reduce": 2}  # the blocks, and the root modules
+    counts, units, _ = pool2.run(count_worker, strategy="no_shard", suggested=300)[0]
+    assert units == 3 and counts == {"all_reduce": 4}
