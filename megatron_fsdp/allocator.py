@@ -1,17 +1,29 @@
 """Temporary (unsharded) bucket memory and the package's buffer accounting.
 
-Temporary buckets are released by resizing their storage to zero rather than by
-dropping the tensor: parameters and autograd's saved tensors keep *views* of a
-weight bucket, and a view stays valid across a release/re-allocate cycle as long
-as the tensor object (and its storage object) survive. On CUDA the resize returns
-the block to the caching allocator at once instead of whenever Python drops the
-last reference.
+Two allocators, chosen by ``fsdp_double_buffer``:
+
+* ``StorageResizeAllocator`` (default): temporary buckets are released by
+  resizing their storage to zero rather than by dropping the tensor: parameters
+  and autograd's saved tensors keep *views* of a weight bucket, and a view stays
+  valid across a release/re-allocate cycle as long as the tensor object (and its
+  storage object) survive. On CUDA the resize returns the block to the caching
+  allocator at once instead of whenever Python drops the last reference. Memory
+  is held only while used, but every use allocates afresh (on the CPU, large
+  blocks come back from the kernel as zero-filled pages, every step).
+* ``BufferPool`` (``fsdp_double_buffer=True``): memory is allocated once and
+  reused every step. Unit weight buckets live in fixed *slots* (units.slot_plan:
+  neighbouring units alternate between ``prefetch_depth + 1`` slots, two by
+  default: a double buffer), enough for the unit computing and the ones
+  prefetched. Gradient buckets are kept on release and handed out again for the
+  same size. Nothing grows after the first step; the price is that pooled bytes
+  stay held between uses.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections import Counter
+from typing import Optional
 
 import torch
 
@@ -87,3 +99,95 @@ class StorageResizeAllocator:
         if is_allocated(tensor):
             self.accounting.on_free(_nbytes(tensor))
             tensor.untyped_storage().resize_(0)
+
+
+class SlotConflictError(RuntimeError):
+    """A unit needed a weight slot that another unit still held."""
+
+
+class BufferPool(StorageResizeAllocator):
+    """Fixed slots for unit weight buckets; reuse for everything else (see above)."""
+
+    def __init__(self, accounting: BufferAccounting, slot_of_unit: dict[int, int]) -> None:
+        super().__init__(accounting)
+        self.slot_of_unit = slot_of_unit
+        """Unit index -> weight slot; units missing here allocate per use."""
+        self._storage: dict[tuple, torch.UntypedStorage] = {}  # (dtype, device, slot) -> storage
+        self._fill: dict[tuple, int] = {}  # (unit, dtype, device) -> elements reserved so far
+        self._owner: dict[tuple, tuple[int, set]] = {}  # slot key -> (unit, ids of buckets holding it)
+        self._cache: dict[tuple, list[torch.Tensor]] = {}  # (numel, dtype, device) -> released buckets
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of all weight slots together."""
+        return sum(storage.nbytes() for storage in self._storage.values())
+
+    # -- unit weight buckets ---------------------------------------------------
+    def slot_bucket(self, unit: int, numel: int, dtype: torch.dtype, device: torch.device) -> Optional[torch.Tensor]:
+        """A bucket for one of ``unit``'s groups: the next free range of the unit's
+        slot (units sharing a slot reuse the same bytes); ``None`` for a unit
+        without a slot."""
+        if unit not in self.slot_of_unit:
+            return None
+        key = (dtype, torch.device(device), self.slot_of_unit[unit])
+        offset = self._fill.get((unit, dtype, key[1]), 0)
+        self._fill[(unit, dtype, key[1])] = offset + numel
+        storage = self._storage.get(key)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        needed = (offset + numel) * itemsize
+        if storage is None:
+            storage = self._storage[key] = torch.empty(0, dtype=torch.uint8, device=device).untyped_storage()
+        if storage.nbytes() < needed:
+            # Growing keeps the storage object, so buckets cut from it earlier stay valid.
+            self.accounting.on_alloc(needed - storage.nbytes())
+            storage.resize_(needed)
+        bucket = torch.empty(0, dtype=dtype, device=device).set_(storage, offset, (numel,))
+        bucket._mfsdp_slot = (key, unit)
+        return bucket
+
+    def kept_bucket(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A bucket allocated at first use and never given back (the root's groups,
+        gathered for the whole of every step anyway)."""
+        bucket = self.empty_unallocated(numel, dtype, device)
+        bucket._mfsdp_keep = True
+        return bucket
+
+    def allocate(self, tensor: torch.Tensor) -> torch.Tensor:
+        lease = getattr(tensor, "_mfsdp_slot", None)
+        if lease is None:
+            return super().allocate(tensor)
+        key, unit = lease
+        owner, holders = self._owner.get(key, (unit, set()))
+        if owner != unit and holders:
+            raise SlotConflictError(
+                f"fsdp_double_buffer: FSDP unit {unit} needs weight slot {key[2]} ({key[0]}), which unit "
+                f"{owner} still holds. Slots assume units run one after another in module order, each "
+                "releasing its weights once all its gradients arrived; this model runs them otherwise "
+                "(another order, a unit called twice, or parameters without gradients). "
+                "Set fsdp_double_buffer=False (buckets allocated per use)."
+            )
+        holders.add(id(tensor))
+        self._owner[key] = (unit, holders)
+        return tensor
+
+    def release(self, tensor: torch.Tensor) -> None:
+        lease = getattr(tensor, "_mfsdp_slot", None)
+        if lease is not None:
+            _, holders = self._owner.get(lease[0], (None, set()))
+            holders.discard(id(tensor))
+        elif getattr(tensor, "_mfsdp_keep", False):
+            pass  # gathered again next step into the same bytes
+        elif getattr(tensor, "_mfsdp_reusable", False):
+            self._cache.setdefault((tensor.numel(), tensor.dtype, tensor.device), []).append(tensor)
+        else:
+            super().release(tensor)  # a bucket outside the slots (root or frozen groups)
+
+    # -- other temporary buckets ---------------------------------------------------
+    def new(self, numel: int, dtype: torch.dtype, device: torch.device, *, zero: bool = False) -> torch.Tensor:
+        cached = self._cache.get((numel, dtype, torch.device(device)))
+        if cached:
+            tensor = cached.pop()
+            return tensor.zero_() if zero else tensor
+        tensor = super().new(numel, dtype, device, zero=zero)
+        tensor._mfsdp_reusable = True
+        return tensor

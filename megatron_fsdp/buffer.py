@@ -5,6 +5,8 @@ when sharded, owns the temporary unsharded bucket its items are gathered into.""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 
@@ -25,7 +27,10 @@ class DataParallelBuffer:
         is_distributed: bool,
         allocator: StorageResizeAllocator,
         category: str,
+        bucket: Optional[torch.Tensor] = None,
     ) -> None:
+        """``bucket``: where a sharded buffer's items are gathered (a slot of a
+        ``BufferPool``); by default a tensor of its own, allocated per use."""
         self.layout = layout
         self.dtype = dtype
         self.device = device
@@ -39,7 +44,10 @@ class DataParallelBuffer:
         allocator.accounting.add_persistent(category, numel * self.data.element_size())
         # The unsharded bucket: the persistent data itself when replicated; else a
         # tensor object that survives release/allocate so that views into it do.
-        self._bucket = self.data if not is_distributed else allocator.empty_unallocated(layout.padded_numel, dtype, device)
+        if not is_distributed:
+            self._bucket = self.data
+        else:
+            self._bucket = bucket if bucket is not None else allocator.empty_unallocated(layout.padded_numel, dtype, device)
         self.status = BucketStatus.EMPTY if is_distributed else BucketStatus.READY_TO_USE
 
     # -- views ---------------------------------------------------------------

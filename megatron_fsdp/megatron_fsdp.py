@@ -25,7 +25,7 @@ from .marks import is_fsdp_no_shard
 from .meta_init import has_meta_tensors, materialize_meta_module
 from .mixed_precision import MixedPrecisionPolicy
 from .param_and_grad_buffer import ParamAndGradBuffer
-from .units import NO_SHARD_UNIT_SIZE, merge_units, split_into_parameter_owners
+from .units import NO_SHARD_UNIT_SIZE, merge_units, slot_plan, split_into_parameter_owners
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +106,7 @@ class MegatronFSDP(nn.Module):
             module,
             unit_modules=[u.modules for u in units],
             root_merge_limit=merge_limit,
+            unit_slots=slot_plan(units, self.ddp_config.prefetch_depth + 1) if self.ddp_config.fsdp_double_buffer else None,
             strategy=self.strategy,
             policy=self.mp_policy,
             dist_index=self.dist_index,
@@ -154,7 +155,6 @@ class MegatronFSDP(nn.Module):
     def _check_supported(self) -> None:
         cfg = self.ddp_config
         unsupported = {
-            "fsdp_double_buffer=True (fixed double-buffer allocator)": cfg.fsdp_double_buffer,
             "nccl_ub=True (NCCL user-buffer registration)": cfg.nccl_ub,
             "keep_fp8_transpose_cache=True (TransformerEngine FP8 parameters)": cfg.keep_fp8_transpose_cache,
             "fp8_param_gather=True (TransformerEngine FP8 parameters)": cfg.fp8_param_gather,

@@ -19,18 +19,20 @@ issues the package's collectives in the same order (as any collective requires),
 so the counters agree and concurrent collectives can never exchange messages.
 
 NCCL keeps its native collectives: ``applies`` is true only for gloo groups.
+``MEGATRON_FSDP_GLOO_P2P=0`` (or ``set_enabled(False)``) uses gloo's own.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 from typing import Callable, Optional
 from weakref import WeakKeyDictionary
 
 import torch
 import torch.distributed as dist
 
-_enabled = True
+_enabled = os.environ.get("MEGATRON_FSDP_GLOO_P2P", "1") != "0"
 _tags: "WeakKeyDictionary[dist.ProcessGroup, itertools.count]" = WeakKeyDictionary()
 _TAG_SPACE = 1 << 30
 

@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from .allocator import BufferAccounting, StorageResizeAllocator
+from .allocator import BufferAccounting, BufferPool, StorageResizeAllocator
 from .buffer import DataParallelBuffer
 from .distributed_index import DataParallelGroups, FSDPDistributedIndex
 from .enums import ShardingStrategy
@@ -156,7 +156,10 @@ class ParamAndGradBuffer:
         disable_bucketing: bool = False,
         bucket_size: Optional[int] = None,
         root_merge_limit: Optional[int] = None,
+        unit_slots: Optional[dict[int, int]] = None,
     ) -> None:
+        """``unit_slots``: pool temporary buckets (``fsdp_double_buffer``), with unit
+        weights in these slots (units.slot_plan); ``None`` allocates them per use."""
         self.strategy = strategy
         self.root_merge_limit = root_merge_limit
         self.bucket_size = bucket_size
@@ -165,7 +168,11 @@ class ParamAndGradBuffer:
         self.device = device
         self.disable_bucketing = disable_bucketing
         self.accounting = BufferAccounting()
-        self.allocator = StorageResizeAllocator(self.accounting)
+        self.allocator = (
+            StorageResizeAllocator(self.accounting)
+            if unit_slots is None
+            else BufferPool(self.accounting, unit_slots)
+        )
         self.param_names: dict[nn.Parameter, str] = {p: name for name, p in module.named_parameters()}
         self._bucket_views: dict[nn.Parameter, torch.Tensor] = {}
         self.groups: list[ParameterGroup] = self._build_groups(module, unit_modules)
@@ -205,7 +212,7 @@ class ParamAndGradBuffer:
         optimizer_layout = layout.split(dp.optimizer_parts) if strategy.shards_optimizer else layout
 
 
-        def make(role: str, buf_dtype: torch.dtype, buf_layout: BucketLayout, rank: int, distributed: bool):
+        def make(role: str, buf_dtype: torch.dtype, buf_layout: BucketLayout, rank: int, distributed: bool, bucket=None):
             return DataParallelBuffer(
                 buf_layout,
                 dtype=buf_dtype,
@@ -215,9 +222,19 @@ class ParamAndGradBuffer:
                 is_distributed=distributed and buf_layout.world_size > 1,
                 allocator=self.allocator,
                 category=role,
+                bucket=bucket,
             )
 
-        model_weights = make("model_weights", dtype, layout, dp.shard_rank, strategy.shards_params)
+        slot_bucket = None
+        if isinstance(self.allocator, BufferPool) and layout.world_size > 1 and strategy.shards_params:
+            # Unit weights cycle through the pool's slots. Root groups are gathered
+            # for every whole step: their buckets stay. Frozen groups (held until
+            # backward ends) and nested units allocate per use.
+            if unit is ROOT_UNIT:
+                slot_bucket = self.allocator.kept_bucket(layout.padded_numel, dtype, self.device)
+            elif requires_grad:
+                slot_bucket = self.allocator.slot_bucket(unit, layout.padded_numel, dtype, self.device)
+        model_weights = make("model_weights", dtype, layout, dp.shard_rank, strategy.shards_params, slot_bucket)
         main_weights = None
         hfsdp = dp.outer_shards_optimizer and strategy.shards_optimizer
         main_dtype = self.policy.main_params_dtype

@@ -105,3 +105,21 @@ def _nested_or_parent(units: list[tuple[str, nn.Module]]) -> set[int]:
             if j is not None and j != i:
                 marked.update((i, j))
     return marked
+
+
+def slot_plan(specs: list[UnitSpec], slots: int) -> dict[int, int]:
+    """``fsdp_double_buffer``: unit index -> weight slot. Units alternate between
+    ``max(2, slots)`` slots in module order, so the unit computing and the ones
+    prefetched after it never share one. Nested units (and their parents) are live
+    at the same time as each other: they keep buckets of their own."""
+    slots = max(2, slots)
+    index_of = {id(m): i for i, spec in enumerate(specs) for m in spec.modules}
+    nested: set[int] = set()
+    for i, spec in enumerate(specs):
+        for member in spec.modules:
+            for m in member.modules():
+                j = index_of.get(id(m))
+                if j is not None and j != i:
+                    nested.update((i, j))
+    flat = [i for i in range(len(specs)) if i not in nested]
+    return {unit: position % slots for position, unit in enumerate(flat)}

@@ -47,7 +47,7 @@ def draw_config(index: int) -> dict:
         average_in_collective=rng.random() < 0.3,
         per_token=rng.random() < 0.2,
         fine_grained=rng.random() < 0.15,
-        double_buffer=rng.random() < 0.05,
+        double_buffer=rng.random() < 0.3,
         microbatches=pick([1, 2]),
     )
     # Adam normalises each update, so bf16 rounding of a near-zero gradient (whose
