@@ -25,7 +25,7 @@ from .marks import is_fsdp_no_shard
 from .meta_init import has_meta_tensors, materialize_meta_module
 from .mixed_precision import MixedPrecisionPolicy
 from .param_and_grad_buffer import ParamAndGradBuffer
-from .units import NO_SHARD_UNIT_SIZE, merge_units, slot_plan, split_into_parameter_owners
+from .units import NO_SHARD_UNIT_SIZE, UnitSpec, merge_units, slot_plan, split_into_parameter_owners
 
 logger = logging.getLogger(__name__)
 
@@ -98,22 +98,7 @@ class MegatronFSDP(nn.Module):
         self.module = module
 
         units = self._find_units(module, resolve_unit_classes(fsdp_unit_modules), enable_fine_grained_param_gather_hook)
-        merge_limit = self.ddp_config.suggested_communication_unit_size
-        if merge_limit is None and self.strategy is ShardingStrategy.NO_SHARD:
-            merge_limit = NO_SHARD_UNIT_SIZE
-        units = merge_units(units, merge_limit)
-        self.param_and_grad_buffer = ParamAndGradBuffer(
-            module,
-            unit_modules=[u.modules for u in units],
-            root_merge_limit=merge_limit,
-            unit_slots=slot_plan(units, self.ddp_config.prefetch_depth + 1) if self.ddp_config.fsdp_double_buffer else None,
-            strategy=self.strategy,
-            policy=self.mp_policy,
-            dist_index=self.dist_index,
-            device=self.device,
-            disable_bucketing=disable_bucketing,
-            bucket_size=self.ddp_config.bucket_size,
-        )
+        units, self.param_and_grad_buffer = self._build_buffer(module, units, disable_bucketing)
         buffer = self.param_and_grad_buffer
         self.init_peak_param_bytes = 0
         if init_model_with_meta_device and has_meta_tensors(module):
@@ -184,6 +169,29 @@ class MegatronFSDP(nn.Module):
             units = split_into_parameter_owners(units)
         # Units whose parameters all stay replicated need no gathering hooks.
         return [(name, m) for name, m in units if not all(is_fsdp_no_shard(p) for p in m.parameters())]
+
+    def _build_buffer(
+        self, module: nn.Module, units: list[tuple[str, nn.Module]], disable_bucketing: bool
+    ) -> tuple[list[UnitSpec], ParamAndGradBuffer]:
+        """Merge units into communication units, then lay out every parameter group."""
+        cfg = self.ddp_config
+        merge_limit = cfg.suggested_communication_unit_size
+        if merge_limit is None and self.strategy is ShardingStrategy.NO_SHARD:
+            merge_limit = NO_SHARD_UNIT_SIZE
+        specs = merge_units(units, merge_limit)
+        buffer = ParamAndGradBuffer(
+            module,
+            unit_modules=[u.modules for u in specs],
+            root_merge_limit=merge_limit,
+            unit_slots=slot_plan(specs, cfg.prefetch_depth + 1) if cfg.fsdp_double_buffer else None,
+            strategy=self.strategy,
+            policy=self.mp_policy,
+            dist_index=self.dist_index,
+            device=self.device,
+            disable_bucketing=disable_bucketing,
+            bucket_size=cfg.bucket_size,
+        )
+        return specs, buffer
 
     def _grad_options(self) -> GradReduceOptions:
         cfg = self.ddp_config

@@ -51,6 +51,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchConfig, argparse.Nam
         help="persistent: one live worker group per implementation; fresh: new workers every round "
         "(bounds memory to one group; re-warms each round); auto: persistent when all fit in memory",
     )
+    parser.add_argument("--fsdp-double-buffer", action="store_true",
+                        help="megatron_fsdp with pooled temporary buckets (fsdp_double_buffer=True)")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--out", default="results/bench", help="folder for the JSON record and the PNG chart")
     parser.add_argument("--replot", default=None, metavar="JSON",
@@ -69,6 +71,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchConfig, argparse.Nam
         impls=parse_csv(args.impls) if args.impls else None,
         dtype=args.dtype,
         isolation=args.isolation,
+        fsdp_double_buffer=args.fsdp_double_buffer,
         seed=args.seed,
         out=args.out,
     )

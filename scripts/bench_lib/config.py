@@ -95,6 +95,8 @@ class BenchConfig:
     """persistent: one live worker group per implementation for the whole run; fresh: new
     workers per (round, implementation), bounding memory to one group; auto: persistent
     when every group fits in memory at once."""
+    fsdp_double_buffer: bool = False
+    """megatron_fsdp with pooled temporary buckets (allocated once, reused every step)."""
     seed: int = 1234
     lr: float = 1e-4
     out: str = "results/bench"

@@ -119,7 +119,7 @@ class Trainer:
 
 
 def build_trainer(spec: ImplSpec, gpt_config: GPTConfig, *, dtype: str, seed: int, lr: float,
-                  counter: CollectiveCounter) -> Trainer:
+                  counter: CollectiveCounter, double_buffer: bool = False) -> Trainer:
     torch.manual_seed(seed)
     module = GPT(gpt_config)
     counts = param_counts(module)
@@ -135,7 +135,7 @@ def build_trainer(spec: ImplSpec, gpt_config: GPTConfig, *, dtype: str, seed: in
         case Family.FSDP2:
             return _build_fsdp2(spec, module, counts, compute_dtype, comm_elem, make_optimizer)
         case Family.MEGATRON_FSDP:
-            return _build_megatron(spec, module, counts, compute_dtype, comm_elem, make_optimizer)
+            return _build_megatron(spec, module, counts, compute_dtype, comm_elem, make_optimizer, double_buffer)
     raise ValueError(f"implementation family {spec.family!r} has no builder; add one to impls.py")
 
 
@@ -178,7 +178,7 @@ def _build_fsdp2(spec, module, counts, compute_dtype, comm_elem, make_optimizer)
     )
 
 
-def _build_megatron(spec, module, counts, compute_dtype, comm_elem, make_optimizer) -> Trainer:
+def _build_megatron(spec, module, counts, compute_dtype, comm_elem, make_optimizer, double_buffer) -> Trainer:
     module = module.to(compute_dtype)
     model, optimizer = mf.fully_shard(
         module,
@@ -186,6 +186,7 @@ def _build_megatron(spec, module, counts, compute_dtype, comm_elem, make_optimiz
         fsdp_unit_modules=[TransformerBlock],
         zero_dp_strategy=spec.strategy,
         device=torch.device("cpu"),
+        fsdp_double_buffer=double_buffer,
     )
     return Trainer(
         spec=spec,

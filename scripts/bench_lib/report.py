@@ -78,7 +78,8 @@ def summary(record: dict) -> str:
             f"model {cfg['model']} ({counts['total']:,} params, {counts['root']:,} outside blocks), "
             f"world {cfg['world']}, {cfg['dtype']}, micro-batch {cfg['micro_batch_size']}, "
             f"{cfg['rounds']} rounds x {cfg['steps']} steps ({steps} measured per impl) after {cfg['warmup']} warm-up, "
-            f"isolation {record['isolation']}",
+            f"isolation {record['isolation']}"
+            + (", megatron_fsdp with fsdp_double_buffer" if cfg.get("fsdp_double_buffer") else ""),
             "",
             "Step time (slowest rank per step; ratios are paired per round, FSDP2 = "
             f"{record['fsdp2_reference']}) and bytes per step per collective (unsharded payload, rank 0):",

@@ -135,7 +135,8 @@ def worker_main(rank: int, world: int, port: int, spec: ImplSpec, cfg: BenchConf
             timeout=datetime.timedelta(seconds=cfg.collective_timeout_s),
         )
         counter = CollectiveCounter()
-        trainer = build_trainer(spec, cfg.gpt_config, dtype=cfg.dtype, seed=cfg.seed, lr=cfg.lr, counter=counter)
+        trainer = build_trainer(spec, cfg.gpt_config, dtype=cfg.dtype, seed=cfg.seed, lr=cfg.lr, counter=counter,
+                                double_buffer=cfg.fsdp_double_buffer)
         # After every import: module-level aliases of the collectives exist by now.
         counter.install()
         session = WorkerSession(rank, world, trainer, counter, make_batches(cfg, rank, world))
