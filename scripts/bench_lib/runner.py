@@ -1,6 +1,7 @@
 """The coordinator: launches one group of rank processes per implementation and
-alternates them round by round (A B C ... A B C ...), so that drift of a shared
-machine hits every implementation alike.
+alternates them round by round (A B C, B C A, C A B, ...), so that drift of a
+shared machine hits every implementation alike; the order rotates so that no
+implementation always runs right after the same neighbour.
 
 Rank processes come from a ``forkserver`` that imported torch and megatron_fsdp
 once: each rank then starts in a fraction of a second instead of re-importing
@@ -162,7 +163,8 @@ def run_bench(cfg: BenchConfig) -> tuple[list[Cell], dict[str, dict], str]:
     cells: list[Cell] = []
     try:
         for round_index in range(cfg.rounds):
-            for spec in specs:
+            shift = round_index % len(specs)
+            for spec in specs[shift:] + specs[:shift]:
                 group = live.get(spec.name)
                 if group is None:
                     group = WorkerGroup(spec, cfg, ctx)

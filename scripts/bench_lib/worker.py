@@ -81,6 +81,10 @@ class WorkerSession:
         return {}
 
     def measure(self, steps: int) -> dict:
+        # One untimed step first: this group slept while the others ran, and its
+        # first step back pays for cold caches, whatever the implementation.
+        self._one_step()
+        self.trainer.drain()
         accounting = self.trainer.accounting
         if accounting is not None:
             accounting.reset_peak()
