@@ -142,7 +142,7 @@ def all_gather(
     ``shard`` may be this rank's own slice of ``output`` (an in-place gather)."""
     _record("all_gather", output, label)
     with record_function(f"megatron_fsdp::all_gather:{label}"):
-        if p2p_transport.applies(group):
+        if p2p_transport.applies(group, output):
             launch = lambda: p2p_transport.all_gather(output, shard, group)  # noqa: E731
         else:
             if _aliases(shard, output):
@@ -164,7 +164,7 @@ def reduce_scatter(
     (which may be this rank's own slice of ``full``)."""
     _record("reduce_scatter", full, label)
     with record_function(f"megatron_fsdp::reduce_scatter:{label}"):
-        if p2p_transport.applies(group):
+        if p2p_transport.applies(group, full):
             launch = lambda: p2p_transport.reduce_scatter(output, full, group, op)  # noqa: E731
         else:
             launch = lambda: _reduce_scatter_flat(output, full, op=op, group=group, async_op=True)  # noqa: E731

@@ -18,7 +18,7 @@ Messages of one collective share a tag drawn from a per-group counter; every ran
 issues the package's collectives in the same order (as any collective requires),
 so the counters agree and concurrent collectives can never exchange messages.
 
-NCCL keeps its native collectives: ``applies`` is true only for gloo groups.
+NCCL keeps its native collectives: ``applies`` is true only for CPU tensors on gloo.
 ``MEGATRON_FSDP_GLOO_P2P=0`` (or ``set_enabled(False)``) uses gloo's own.
 """
 
@@ -43,8 +43,13 @@ def set_enabled(enabled: bool) -> None:
     _enabled = enabled
 
 
-def applies(group: dist.ProcessGroup) -> bool:
-    return _enabled and dist.get_world_size(group) > 1 and dist.get_backend(group) == dist.Backend.GLOO
+def applies(group: dist.ProcessGroup, tensor: torch.Tensor) -> bool:
+    """CPU tensors over a group served by gloo (alone, or as the CPU half of a
+    ``cpu:gloo,cuda:nccl`` group)."""
+    if not _enabled or tensor.device.type != "cpu" or dist.get_world_size(group) == 1:
+        return False
+    backend = str(dist.get_backend(group))
+    return backend == dist.Backend.GLOO or "cpu:gloo" in backend
 
 
 def _next_tag(group: dist.ProcessGroup) -> int:

@@ -125,13 +125,15 @@ def test_each_rank_sends_the_minimum(pool):
         assert gathered == reduced == (world - 1) * 1000 * 4
 
 
-def test_only_gloo_groups_use_point_to_point(pool2):
+def test_only_cpu_tensors_on_gloo_use_point_to_point(pool2):
     assert all(pool2.run(_applies_worker))
 
 
 def _applies_worker(rank, world):
-    on = p2p_transport.applies(dist.group.WORLD)
+    cpu = torch.empty(4)
+    on = p2p_transport.applies(dist.group.WORLD, cpu)
+    meta = p2p_transport.applies(dist.group.WORLD, torch.empty(4, device="meta"))  # stands in for CUDA
     p2p_transport.set_enabled(False)
-    off = p2p_transport.applies(dist.group.WORLD)
+    off = p2p_transport.applies(dist.group.WORLD, cpu)
     p2p_transport.set_enabled(True)
-    return on and not off
+    return on and not meta and not off
