@@ -119,3 +119,23 @@ def test_chart_is_written(record):
     _, out = record
     png = os.path.join(out, "bench_gpt-mini_w2.png")
     assert os.path.getsize(png) > 1000
+
+
+def test_double_buffer_run_moves_the_same_bytes_and_trains_the_same(tmp_path):
+    cmd = [sys.executable, os.path.join(SCRIPTS, "bench.py"), "--world", "2", "--model", "gpt-mini",
+           "--steps", "2", "--warmup", "1", "--rounds", "1", "--fsdp-double-buffer",
+           "--impls", "ddp,mfsdp_optim_grads,mfsdp_optim_grads_params", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, f"bench failed:\n{proc.stdout}\n{proc.stderr}"
+    assert "fsdp_double_buffer" in proc.stdout
+    with open(tmp_path / "bench_gpt-mini_w2.json") as f:
+        data = json.load(f)
+    assert data["config"]["fsdp_double_buffer"] is True
+    for name in ("mfsdp_optim_grads", "mfsdp_optim_grads_params"):
+        impl = data["impls"][name]
+        for kind, entry in impl["comm"]["per_kind"].items():
+            assert abs(entry["bytes_per_step"] - entry["minimum"]) <= BYTES_TOLERANCE * max(entry["minimum"], 1), kind
+        for rank_memory in impl["memory"]["per_rank"]:
+            for key, expected in impl["memory"]["expected"].items():
+                assert abs(rank_memory[key] - expected) <= MEMORY_TOLERANCE * max(expected, 1) + 64, (name, key)
+        assert impl["max_loss_diff_vs_ddp"] < 1e-3, name
