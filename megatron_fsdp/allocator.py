@@ -180,7 +180,7 @@ class BufferPool(StorageResizeAllocator):
         elif getattr(tensor, "_mfsdp_reusable", False):
             self._cache.setdefault((tensor.numel(), tensor.dtype, tensor.device), []).append(tensor)
         else:
-            super().release(tensor)  # a bucket outside the slots (root or frozen groups)
+            super().release(tensor)  # outside the slots: frozen groups, nested units
 
     # -- other temporary buckets ---------------------------------------------------
     def new(self, numel: int, dtype: torch.dtype, device: torch.device, *, zero: bool = False) -> torch.Tensor:

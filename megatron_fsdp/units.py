@@ -74,7 +74,7 @@ def owned_numels(units: list[tuple[str, nn.Module]]) -> list[int]:
 def merge_units(units: list[tuple[str, nn.Module]], limit: Optional[int]) -> list[UnitSpec]:
     """Communication units of at most ``limit`` elements (one per unit when ``None``).
     Nested units are never merged with anything: their parents gather them apart."""
-    nested = _nested_or_parent(units)
+    nested = _nested_or_parent([(m,) for _, m in units])
     specs: list[UnitSpec] = []
     pending: list[tuple[str, nn.Module]] = []
 
@@ -95,15 +95,17 @@ def merge_units(units: list[tuple[str, nn.Module]], limit: Optional[int]) -> lis
     return specs
 
 
-def _nested_or_parent(units: list[tuple[str, nn.Module]]) -> set[int]:
-    """Indices of units that contain, or sit inside, another unit."""
-    index_of = {id(m): i for i, (_, m) in enumerate(units)}
+def _nested_or_parent(units: Sequence[Sequence[nn.Module]]) -> set[int]:
+    """Indices of units (each one or more modules) that contain, or sit inside,
+    another unit."""
+    index_of = {id(m): i for i, members in enumerate(units) for m in members}
     marked: set[int] = set()
-    for i, (_, unit) in enumerate(units):
-        for m in unit.modules():
-            j = index_of.get(id(m))
-            if j is not None and j != i:
-                marked.update((i, j))
+    for i, members in enumerate(units):
+        for member in members:
+            for m in member.modules():
+                j = index_of.get(id(m))
+                if j is not None and j != i:
+                    marked.update((i, j))
     return marked
 
 
@@ -113,13 +115,6 @@ def slot_plan(specs: list[UnitSpec], slots: int) -> dict[int, int]:
     prefetched after it never share one. Nested units (and their parents) are live
     at the same time as each other: they keep buckets of their own."""
     slots = max(2, slots)
-    index_of = {id(m): i for i, spec in enumerate(specs) for m in spec.modules}
-    nested: set[int] = set()
-    for i, spec in enumerate(specs):
-        for member in spec.modules:
-            for m in member.modules():
-                j = index_of.get(id(m))
-                if j is not None and j != i:
-                    nested.update((i, j))
+    nested = _nested_or_parent([spec.modules for spec in specs])
     flat = [i for i in range(len(specs)) if i not in nested]
     return {unit: position % slots for position, unit in enumerate(flat)}
