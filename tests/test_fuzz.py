@@ -49,6 +49,7 @@ def draw_config(index: int) -> dict:
         fine_grained=rng.random() < 0.15,
         double_buffer=rng.random() < 0.3,
         microbatches=pick([1, 2]),
+        suggested=pick([None, None, None, 300, 600, 10**9]),
     )
     # Adam normalises each update, so bf16 rounding of a near-zero gradient (whose
     # sign can flip when microbatches sum in bf16) moves a weight by up to 2 * lr:
@@ -144,6 +145,7 @@ def fuzz_worker(rank, world, *, cfg):
             calculate_per_token_loss=cfg["per_token"],
             enable_fine_grained_param_gather=cfg["fine_grained"],
             fsdp_double_buffer=cfg["double_buffer"],
+            suggested_communication_unit_size=cfg["suggested"],
             **mesh_kwargs,
         )
     except (ValueError, NotImplementedError) as exc:
