@@ -103,12 +103,18 @@ def write_json(record: dict, out_dir: str) -> str:
     return path
 
 
-def _stacked(ax, x, series: dict[str, list[float]], **bar_kwargs) -> list[float]:
+def _stacked_against(ax, x, series: dict[str, list[float]], reference: list[float], *, reference_label: str,
+                     title: str, **bar_kwargs) -> None:
+    """Stacked bars per implementation with a reference mark (formula, minimum) on each."""
     bottom = [0.0] * len(x)
     for label, values in series.items():
         ax.bar(x, values, bottom=bottom, label=label, **bar_kwargs.get(label, {}))
         bottom = [b + v for b, v in zip(bottom, values)]
-    return bottom
+    ax.scatter(x, reference, marker="_", s=500, color="k", label=reference_label, zorder=3)
+    ax.set_ylim(top=1.15 * max(bottom + reference))
+    ax.set_title(title)
+    ax.set_ylabel("MiB")
+    ax.legend(fontsize=7)
 
 
 def _time_panel(ax, x, impls: list[dict]) -> None:
@@ -123,13 +129,10 @@ def _time_panel(ax, x, impls: list[dict]) -> None:
 def _memory_panel(ax, x, impls: list[dict]) -> None:
     series = {key: [i["memory"]["max_over_ranks"][key] / MIB for i in impls] for key in MEMORY_KEYS}
     series["temporary peak"] = [(i["memory"]["max_over_ranks"]["peak_temporary"] or 0) / MIB for i in impls]
-    top = _stacked(ax, x, series, **{"temporary peak": {"hatch": "//", "color": "none", "edgecolor": "gray"}})
     formula = [i["memory"]["expected_total"] / MIB for i in impls]
-    ax.scatter(x, formula, marker="_", s=500, color="k", label="formula (persistent)", zorder=3)
-    ax.set_ylim(top=1.15 * max(top + formula))
-    ax.set_title("per-rank state (max over ranks)")
-    ax.set_ylabel("MiB")
-    ax.legend(fontsize=7)
+    _stacked_against(ax, x, series, formula, reference_label="formula (persistent)",
+                     title="per-rank state (max over ranks)",
+                     **{"temporary peak": {"hatch": "//", "color": "none", "edgecolor": "gray"}})
 
 
 def _rss_panel(ax, x, impls: list[dict]) -> None:
@@ -143,13 +146,8 @@ def _rss_panel(ax, x, impls: list[dict]) -> None:
 
 def _comm_panel(ax, x, impls: list[dict]) -> None:
     series = {kind: [i["comm"]["per_kind"][kind]["bytes_per_step"] / MIB for i in impls] for kind in KINDS}
-    top = _stacked(ax, x, series)
     minimum = [i["comm"]["total_minimum"] / MIB for i in impls]
-    ax.scatter(x, minimum, marker="_", s=500, color="k", label="minimum", zorder=3)
-    ax.set_ylim(top=1.15 * max(top + minimum))
-    ax.set_title("bytes per step by collective")
-    ax.set_ylabel("MiB")
-    ax.legend(fontsize=7)
+    _stacked_against(ax, x, series, minimum, reference_label="minimum", title="bytes per step by collective")
 
 
 def write_chart(record: dict, out_dir: str) -> str:
