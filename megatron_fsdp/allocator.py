@@ -22,6 +22,7 @@ Two allocators, chosen by ``fsdp_double_buffer``:
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections import Counter
 from typing import Optional
 
@@ -105,6 +106,31 @@ class SlotConflictError(RuntimeError):
     """A unit needed a weight slot that another unit still held."""
 
 
+class _Kind(enum.Enum):
+    SLOT = enum.auto()
+    """A range of a unit's weight slot, shared with the units that alternate with it."""
+    KEPT = enum.auto()
+    """Allocated at first use, never given back."""
+    REUSABLE = enum.auto()
+    """Cached on release, handed out again for the next request of its size."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Lease:
+    """How a pooled bucket goes back to the pool (stored on the tensor: a bucket
+    travels through code that knows nothing of the pool)."""
+
+    kind: _Kind
+    slot: Optional[tuple] = None
+    """(dtype, device, slot index), for ``SLOT``."""
+    unit: Optional[int] = None
+    """The unit using the slot, for ``SLOT``."""
+
+
+def _lease(tensor: torch.Tensor) -> Optional[_Lease]:
+    return getattr(tensor, "_mfsdp_lease", None)
+
+
 class BufferPool(StorageResizeAllocator):
     """Fixed slots for unit weight buckets; reuse for everything else (see above)."""
 
@@ -142,21 +168,21 @@ class BufferPool(StorageResizeAllocator):
             self.accounting.on_alloc(needed - storage.nbytes())
             storage.resize_(needed)
         bucket = torch.empty(0, dtype=dtype, device=device).set_(storage, offset, (numel,))
-        bucket._mfsdp_slot = (key, unit)
+        bucket._mfsdp_lease = _Lease(_Kind.SLOT, slot=key, unit=unit)
         return bucket
 
     def kept_bucket(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A bucket allocated at first use and never given back (the root's groups,
         gathered for the whole of every step anyway)."""
         bucket = self.empty_unallocated(numel, dtype, device)
-        bucket._mfsdp_keep = True
+        bucket._mfsdp_lease = _Lease(_Kind.KEPT)
         return bucket
 
     def allocate(self, tensor: torch.Tensor) -> torch.Tensor:
-        lease = getattr(tensor, "_mfsdp_slot", None)
-        if lease is None:
+        lease = _lease(tensor)
+        if lease is None or lease.kind is not _Kind.SLOT:
             return super().allocate(tensor)
-        key, unit = lease
+        key, unit = lease.slot, lease.unit
         owner, holders = self._owner.get(key, (unit, set()))
         if owner != unit and holders:
             raise SlotConflictError(
@@ -171,16 +197,17 @@ class BufferPool(StorageResizeAllocator):
         return tensor
 
     def release(self, tensor: torch.Tensor) -> None:
-        lease = getattr(tensor, "_mfsdp_slot", None)
-        if lease is not None:
-            _, holders = self._owner.get(lease[0], (None, set()))
-            holders.discard(id(tensor))
-        elif getattr(tensor, "_mfsdp_keep", False):
-            pass  # gathered again next step into the same bytes
-        elif getattr(tensor, "_mfsdp_reusable", False):
-            self._cache.setdefault((tensor.numel(), tensor.dtype, tensor.device), []).append(tensor)
-        else:
-            super().release(tensor)  # outside the slots: frozen groups, nested units
+        lease = _lease(tensor)
+        match lease.kind if lease is not None else None:
+            case _Kind.SLOT:
+                _, holders = self._owner.get(lease.slot, (None, set()))
+                holders.discard(id(tensor))
+            case _Kind.KEPT:
+                pass  # gathered again next step into the same bytes
+            case _Kind.REUSABLE:
+                self._cache.setdefault((tensor.numel(), tensor.dtype, tensor.device), []).append(tensor)
+            case None:
+                super().release(tensor)  # outside the slots: frozen groups, nested units
 
     # -- other temporary buckets ---------------------------------------------------
     def new(self, numel: int, dtype: torch.dtype, device: torch.device, *, zero: bool = False) -> torch.Tensor:
@@ -189,5 +216,5 @@ class BufferPool(StorageResizeAllocator):
             tensor = cached.pop()
             return tensor.zero_() if zero else tensor
         tensor = super().new(numel, dtype, device, zero=zero)
-        tensor._mfsdp_reusable = True
+        tensor._mfsdp_lease = _Lease(_Kind.REUSABLE)
         return tensor

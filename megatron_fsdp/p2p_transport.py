@@ -34,6 +34,10 @@ import torch.distributed as dist
 
 _enabled = os.environ.get("MEGATRON_FSDP_GLOO_P2P", "1") != "0"
 _tags: "WeakKeyDictionary[dist.ProcessGroup, itertools.count]" = WeakKeyDictionary()
+# Whether a group has more than one rank and a gloo backend for CPU tensors. A
+# group's backend never changes, and asking torch costs tens of microseconds per
+# collective.
+_gloo_groups: "WeakKeyDictionary[dist.ProcessGroup, bool]" = WeakKeyDictionary()
 _TAG_SPACE = 1 << 30
 
 
@@ -46,10 +50,14 @@ def set_enabled(enabled: bool) -> None:
 def applies(group: dist.ProcessGroup, tensor: torch.Tensor) -> bool:
     """CPU tensors over a group served by gloo (alone, or as the CPU half of a
     ``cpu:gloo,cuda:nccl`` group)."""
-    if not _enabled or tensor.device.type != "cpu" or dist.get_world_size(group) == 1:
+    if not _enabled or tensor.device.type != "cpu":
         return False
-    backend = str(dist.get_backend(group))
-    return backend == dist.Backend.GLOO or "cpu:gloo" in backend
+    served = _gloo_groups.get(group)
+    if served is None:
+        backend = str(dist.get_backend(group))
+        multi_rank = dist.get_world_size(group) > 1
+        served = _gloo_groups[group] = multi_rank and (backend == dist.Backend.GLOO or "cpu:gloo" in backend)
+    return served
 
 
 def _next_tag(group: dist.ProcessGroup) -> int:

@@ -9,7 +9,6 @@ the next test starts from a clean one.
 
 from __future__ import annotations
 
-import datetime
 import importlib
 import multiprocessing as mp
 import os
@@ -35,17 +34,11 @@ def _free_port() -> int:
 
 
 def _worker_main(rank: int, world: int, port: int, tasks: "mp.Queue", results: "mp.Queue") -> None:
-    import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-    )
+    from megatron_fsdp.training.local_group import init_local_gloo
+
+    init_local_gloo(rank, world, port, COLLECTIVE_TIMEOUT_S)
     while True:
         task = tasks.get()
         if task is None:

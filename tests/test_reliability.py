@@ -3,7 +3,6 @@ atomically, runs are deterministic, misuse is caught, memory stays flat."""
 
 from __future__ import annotations
 
-import datetime
 import logging
 import multiprocessing as mp
 import os
@@ -17,6 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import megatron_fsdp as mf
+from megatron_fsdp.training.local_group import init_local_gloo
 from dist_pool import _free_port
 from models import Block, loss_fn, make_batches, make_model, make_optimizer
 
@@ -30,11 +30,7 @@ def _die_on_rank1(rank):
 
 
 def dead_rank_main(rank, world, port, phase, path, results):
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )
+    init_local_gloo(rank, world, port, timeout_s=60)
     cfg = mf.DistributedDataParallelConfig(collective_timeout_s=COLLECTIVE_TIMEOUT_S)
     model = mf.MegatronFSDP(make_model("net"), ddp_config=cfg, fsdp_unit_modules=[Block])
     opt = mf.fully_shard_optimizer(torch.optim.AdamW(model.parameters(), lr=0.01))

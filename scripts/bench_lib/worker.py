@@ -9,7 +9,6 @@ timed steps with the collective counter on and returns what was seen;
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import logging
 import os
 import resource
@@ -21,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 import megatron_fsdp as mf
+from megatron_fsdp.training.local_group import init_local_gloo
 
 from .config import BenchConfig, ImplSpec
 from .counting import CollectiveCounter
@@ -129,15 +129,7 @@ def worker_main(rank: int, world: int, port: int, spec: ImplSpec, cfg: BenchConf
     """Process entry point (must be importable: the forkserver pickles it by name)."""
     logging.basicConfig(level=logging.WARNING, format=f"[{spec.name} r{rank}] %(levelname)s %(message)s")
     try:
-        # One intra-op thread per rank: ranks share the machine's cores.
-        torch.set_num_threads(1)
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=cfg.collective_timeout_s),
-        )
+        init_local_gloo(rank, world, port, cfg.collective_timeout_s)
         counter = CollectiveCounter()
         trainer = build_trainer(spec, cfg.gpt_config, dtype=cfg.dtype, seed=cfg.seed, lr=cfg.lr, counter=counter,
                                 double_buffer=cfg.fsdp_double_buffer)
