@@ -19,8 +19,9 @@ issues the package's collectives in the same order (as any collective requires),
 so the counters agree and concurrent collectives can never exchange messages.
 
 Shared memory between same-host ranks was tried and dropped: copying through
-``/dev/shm`` cost about what loopback TCP costs (3M elements: 2.5 vs 3.3 ms per
-all-gather), and in training its blocking hand-over made ZeRO-3 steps ~20 ms slower.
+``/dev/shm`` cost about what loopback TCP costs (3M elements, 2 ranks: 2.5-3.5 ms
+against 3.3-3.8 ms per all-gather), and in training its blocking hand-over made
+gpt-tiny's ZeRO-3 steps 15-27 ms slower.
 
 NCCL keeps its native collectives: ``applies`` is true only for CPU tensors on gloo.
 ``MEGATRON_FSDP_GLOO_P2P=0`` (or ``set_enabled(False)``) uses gloo's own.
