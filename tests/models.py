@@ -94,6 +94,19 @@ def make_optimizer(name: str) -> Callable:
     raise ValueError(name)
 
 
+def backward_microbatches(model: nn.Module, x: torch.Tensor, y: torch.Tensor, rank: int, world: int,
+                          microbatches: int = 1, dtype: Optional[torch.dtype] = None) -> None:
+    """Forward/backward this rank's share of a global batch of the "net" model in
+    ``microbatches`` pieces, all but the last under ``model.no_sync()``, with the
+    loss averaged over the pieces (so the gradient equals the whole share's)."""
+    xs, ys = x.chunk(world)[rank].chunk(microbatches), y.chunk(world)[rank].chunk(microbatches)
+    for i, (xm, ym) in enumerate(zip(xs, ys)):
+        if dtype is not None:
+            xm, ym = xm.to(dtype), ym.to(dtype)
+        with model.no_sync() if i < len(xs) - 1 else torch.enable_grad():
+            (loss_fn("net", model(xm), ym) / len(xs)).backward()
+
+
 def train_reference(
     model: nn.Module, kind: str, batches, optimizer: str, freeze: Optional[Callable[[nn.Module], None]] = None
 ) -> nn.Module:

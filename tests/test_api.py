@@ -10,7 +10,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 import megatron_fsdp as mf
-from models import Block, loss_fn, make_batches, make_model, make_optimizer, max_param_diff, train_reference
+from models import Block, backward_microbatches, loss_fn, make_batches, make_model, make_optimizer, max_param_diff, train_reference
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 
@@ -31,11 +31,7 @@ def count_worker(rank, world, *, strategy, microbatches):
     x, y = batches[1]
     with mf.record_collectives() as rec:
         opt.zero_grad()
-        xs, ys = x.chunk(world)[rank].chunk(microbatches), y.chunk(world)[rank].chunk(microbatches)
-        for i, (xm, ym) in enumerate(zip(xs, ys)):
-            ctx = model.no_sync() if i < microbatches - 1 else torch.enable_grad()
-            with ctx:
-                loss_fn("net", model(xm), ym).backward()
+        backward_microbatches(model, x, y, rank, world, microbatches)
         opt.step()
         model.finish_param_sync()
     return dict(rec.counts)

@@ -8,7 +8,7 @@ import torch.nn as nn
 import megatron_fsdp as mf
 from megatron_fsdp.allocator import SlotConflictError
 from megatron_fsdp.units import UnitSpec, slot_plan
-from models import Block, loss_fn, make_batches, make_model, make_optimizer, max_param_diff, train_reference
+from models import Block, backward_microbatches, loss_fn, make_batches, make_model, make_optimizer, max_param_diff, train_reference
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 
@@ -37,10 +37,7 @@ def parity_worker(rank, world, *, strategy, optimizer, recompute=False, microbat
     allocations = []
     for x, y in batches:
         opt.zero_grad()
-        xs, ys = x.chunk(world)[rank].chunk(microbatches), y.chunk(world)[rank].chunk(microbatches)
-        for i, (xm, ym) in enumerate(zip(xs, ys)):
-            with fsdp.no_sync() if i < microbatches - 1 else torch.enable_grad():
-                (loss_fn("net", fsdp(xm), ym) / microbatches).backward()
+        backward_microbatches(fsdp, x, y, rank, world, microbatches)
         opt.step()
         fsdp.finish_param_sync()
         allocations.append(fsdp.buffer_accounting.temporary_allocations)

@@ -12,7 +12,7 @@ import torch
 
 import megatron_fsdp as mf
 from megatron_fsdp.distributed_data_parallel import FullyShardedDataParallel, convert_ddp_config
-from models import Block, loss_fn, make_batches, make_model, make_optimizer, max_param_diff, train_reference
+from models import Block, backward_microbatches, loss_fn, make_batches, make_model, make_optimizer, max_param_diff, train_reference
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 TOL = 1e-5
@@ -39,11 +39,7 @@ def adapter_parity_worker(rank, world, *, strategy, units, microbatches=1, steps
     for x, y in batches:
         fsdp.zero_grad_buffer()
         opt.zero_grad()
-        xs, ys = x.chunk(world)[rank].chunk(microbatches), y.chunk(world)[rank].chunk(microbatches)
-        for i, (xm, ym) in enumerate(zip(xs, ys)):
-            ctx = fsdp.no_sync() if i < microbatches - 1 else torch.enable_grad()
-            with ctx:
-                (loss_fn("net", fsdp(xm), ym) / microbatches).backward()
+        backward_microbatches(fsdp, x, y, rank, world, microbatches)
         fsdp.finish_grad_sync()
         opt.step()
         fsdp.install_optimized_model_weights()

@@ -19,7 +19,7 @@ import torch.nn as nn
 
 import megatron_fsdp as mf
 from megatron_fsdp.distributed_index import build_hybrid_mesh
-from models import Block, Net, loss_fn, make_batches, make_model
+from models import Block, Net, backward_microbatches, loss_fn, make_batches, make_model
 
 DRAWS = int(os.environ.get("MFSDP_FUZZ_DRAWS", "30"))
 SEED = int(os.environ.get("MFSDP_FUZZ_SEED", "0"))
@@ -156,11 +156,7 @@ def fuzz_worker(rank, world, *, cfg):
     dtype = DTYPES[cfg["compute"]]
     for x, y in batches:
         opt.zero_grad()
-        xs = x.chunk(world)[rank].chunk(cfg["microbatches"])
-        ys = y.chunk(world)[rank].chunk(cfg["microbatches"])
-        for i, (xm, ym) in enumerate(zip(xs, ys)):
-            with model.no_sync() if i < len(xs) - 1 else torch.enable_grad():
-                (loss_fn("net", model(xm.to(dtype)), ym.to(dtype)) / len(xs)).backward()
+        backward_microbatches(model, x, y, rank, world, cfg["microbatches"], dtype=dtype)
         opt.step()
     model.finish_param_sync()
     got = mf.get_full_state_dict(model)

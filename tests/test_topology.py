@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 
 import megatron_fsdp as mf
 from megatron_fsdp.distributed_index import build_hybrid_mesh
-from models import Block, loss_fn, make_batches, make_model, make_optimizer, max_param_diff, train_reference
+from models import Block, backward_microbatches, loss_fn, make_batches, make_model, make_optimizer, max_param_diff, train_reference
 
 TOL = 1e-5
 
@@ -38,10 +38,7 @@ def _hybrid(strategy, outer, optimizer="sgd", **kwargs):
 def _train(model, opt, batches, rank, world, microbatches=1):
     for x, y in batches:
         opt.zero_grad()
-        xs, ys = x.chunk(world)[rank].chunk(microbatches), y.chunk(world)[rank].chunk(microbatches)
-        for i, (xm, ym) in enumerate(zip(xs, ys)):
-            with model.no_sync() if i < microbatches - 1 else torch.enable_grad():
-                (loss_fn("net", model(xm), ym) / microbatches).backward()
+        backward_microbatches(model, x, y, rank, world, microbatches)
         opt.step()
 
 
