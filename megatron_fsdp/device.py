@@ -40,6 +40,11 @@ def mesh_device_type(device: torch.device) -> str:
     return "cuda" if device.type == "cuda" else "cpu"
 
 
+def set_device(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -56,3 +61,56 @@ def max_memory_allocated(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return 0
+
+
+def reset_peak_memory_stats(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def empty_cache(device: torch.device) -> None:
+    """Return cached blocks to the driver, so the next memory reading starts clean."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def describe(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return "cpu"
+
+
+class HostSyncCounter:
+    """Counts the host synchronisations CUDA performs inside a ``with`` block.
+
+    CUDA's sync-debug mode warns once per synchronising call (``.item()``,
+    ``bool(tensor)``, pageable copies, ``synchronize``); the warnings are caught
+    and counted rather than shown. On the CPU nothing synchronises: the count is 0.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.count = 0
+        self.sites: list[str] = []
+        self._caught = None
+        self._catcher = None
+
+    def __enter__(self) -> "HostSyncCounter":
+        if self.device.type == "cuda":
+            import warnings
+
+            synchronize(self.device)
+            self._catcher = warnings.catch_warnings(record=True)
+            self._caught = self._catcher.__enter__()
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.device.type != "cuda":
+            return
+        torch.cuda.set_sync_debug_mode("default")
+        self._catcher.__exit__(*exc)
+        syncs = [w for w in self._caught if "synchroniz" in str(w.message)]
+        self.count = len(syncs)
+        self.sites = sorted({f"{w.filename}:{w.lineno}" for w in syncs})

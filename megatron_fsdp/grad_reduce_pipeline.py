@@ -32,6 +32,7 @@ from . import collectives
 from .allocator import StorageResizeAllocator
 from .enums import ShardingStrategy
 from .mixed_precision import MixedPrecisionPolicy
+from .nan_check import NonFiniteGradTracker
 from .param_and_grad_buffer import ParameterGroup
 
 logger = logging.getLogger(__name__)
@@ -89,6 +90,8 @@ class GradReducePipeline:
         self._state = {g: _GroupGradState() for g in self.groups}
         self._pending: list[_Pending] = []
         self._views: dict[nn.Parameter, torch.Tensor] = {}
+        self.nonfinite = NonFiniteGradTracker()
+        """check_for_nan: flags noted on the device per reduction, read once per step."""
 
     # -- gradients arrive ----------------------------------------------------------
     def install_grad_views(self, views: dict[nn.Parameter, torch.Tensor]) -> None:
@@ -197,7 +200,7 @@ class GradReducePipeline:
             source = main.data
 
         if self.options.check_for_nan:
-            self._check_finite(group, source)
+            self.nonfinite.note(group, source)
         op = self._op()
         scaling = self._scaling(group)
         if scaling != 1.0 and not strategy.shards_grads:  # ZeRO-2/3 scaled on the way in
@@ -261,27 +264,6 @@ class GradReducePipeline:
 
         return finalize
 
-    def _check_finite(self, group: ParameterGroup, flat: torch.Tensor) -> None:
-        """Raise on every rank of the group when any rank's local gradient holds
-        NaN/Inf, so that no rank is left waiting in the collective."""
-        bad = [
-            name
-            for index, name in enumerate(group.names)
-            if not bool(torch.isfinite(flat[slice(*group.layout.item_range(index))]).all())
-        ]
-        shard_group = group.dp.shard_group
-        flag = torch.tensor([1.0 if bad else 0.0], device=flat.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=shard_group)
-        if flag.item() == 0:
-            return
-        reports: list = [None] * dist.get_world_size(shard_group)
-        dist.all_gather_object(reports, (dist.get_rank(), bad), group=shard_group)
-        found = "; ".join(f"rank {r}: {', '.join(names)}" for r, names in reports if names)
-        raise FloatingPointError(
-            f"NaN or Inf in the local gradient before the gradient collective ({found}); check the loss "
-            "and the inputs of the named rank (found by check_for_nan_in_grad=True)"
-        )
-
     def _op(self) -> dist.ReduceOp.RedOpType:
         return dist.ReduceOp.AVG if self.options.average_in_collective and not self.options.per_token_loss else dist.ReduceOp.SUM
 
@@ -323,6 +305,10 @@ class GradReducePipeline:
             if item.work is not None:
                 item.work.wait()
             item.finalize()
+
+    def raise_if_nonfinite(self) -> None:
+        """check_for_nan: once per step, after every reduction (see nan_check)."""
+        self.nonfinite.raise_if_nonfinite(self.groups)
 
     def end_backward(self) -> None:
         """Forget which gradients arrived; the next backward pass starts afresh."""

@@ -252,6 +252,7 @@ class MegatronFSDP(nn.Module):
         self.start_grad_sync()
         self.grad_reduce_pipeline.wait_all()
         self.grad_reduce_pipeline.reduce_outer()
+        self.grad_reduce_pipeline.raise_if_nonfinite()
         self.param_and_grad_buffer.attach_grads()
         if self.report_nan_in_param_grads:
             self.report_nan_in_param_grad()

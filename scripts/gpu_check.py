@@ -1,0 +1,404 @@
+#!/usr/bin/env python3
+"""GPU validation in one command: ``python scripts/gpu_check.py --out results/gpu_check``.
+
+On one GPU (world size 1 on a real NCCL group), with nothing to download:
+
+* parity: every strategy x eager/meta init x double buffer off/on trains equal to the
+  bare model (fp32, AdamW eps=1e-4); bf16 compute with fp32 main weights against a
+  hand-written fp32-master reference;
+* checkpoint: ``save_checkpoint``/``load_checkpoint`` round trip into a fresh model;
+* memory: ``torch.cuda.memory_allocated()`` against the package's buffer accounting;
+* host syncs per steady-state step (CUDA sync-debug mode), NaN checks off and on;
+* step time of a ~1B GPT: megatron_fsdp against the bare model and PyTorch FSDP2;
+* the fake-process-group world-8 path on CUDA tensors (a subprocess);
+* a profiler trace of a few ZeRO-3 steps.
+
+Every section records its figures and a pass flag in ``gpu_check.json``; a failing
+section is recorded with its error and the others still run. ``--device cpu`` runs
+the same sections on gloo (no timing goal), to check the script itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import megatron_fsdp as mf  # noqa: E402
+from megatron_fsdp import device as device_mod  # noqa: E402
+from megatron_fsdp.models import GPT, GPTConfig, TransformerBlock  # noqa: E402
+from megatron_fsdp.models.gpt import gpt_loss  # noqa: E402
+
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+SMALL = dict(num_layers=3, hidden_size=128, num_attention_heads=4, seq_length=64, vocab_size=512)
+BILLION = dict(num_layers=18, hidden_size=2048, num_attention_heads=16, seq_length=1024, vocab_size=32768)
+
+
+# -- shared helpers ----------------------------------------------------------------------
+def batches(n: int, batch: int, cfg: dict, device: torch.device, seed: int = 1234) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, cfg["vocab_size"], (batch, cfg["seq_length"] + 1), generator=g).to(device) for _ in range(n)]
+
+
+def build(cfg: dict, device: torch.device | str, seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
+    with torch.device(device):
+        return GPT(GPTConfig(**cfg))
+
+
+def adamw(params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-3, eps=1e-4, weight_decay=0.1)
+
+
+def train(model, optimizer, data, autocast: bool = False) -> list[float]:
+    losses = []
+    for tokens in data:
+        optimizer.zero_grad()
+        with torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=autocast):
+            loss = gpt_loss(model(tokens[:, :-1]), tokens[:, 1:])
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.detach())
+    return [float(x) for x in losses]
+
+
+def wrap(module, device, strategy, **kwargs):
+    model = mf.fully_shard_model(module, fsdp_unit_modules=[TransformerBlock], zero_dp_strategy=strategy, device=device, **kwargs)
+    return model, mf.fully_shard_optimizer(adamw(model.parameters()))
+
+
+def max_diff(full: dict, reference: torch.nn.Module) -> float:
+    ref = reference.state_dict()
+    return max((full[k].float().cpu() - ref[k].float().cpu()).abs().max().item() for k in full)
+
+
+def release(*objs) -> None:
+    del objs
+    gc.collect()
+
+
+# -- sections -----------------------------------------------------------------------------
+def check_parity(device: torch.device) -> dict:
+    data = batches(5, 4, SMALL, device)
+    rows, worst = [], 0.0
+    for strategy in STRATEGIES:
+        for meta in (False, True):
+            for double_buffer in (False, True):
+                ref = build(SMALL, device)
+                train(ref, adamw(ref.parameters()), data)
+                with torch.device("meta") if meta else contextlib.nullcontext():
+                    module = build(SMALL, "meta" if meta else device)
+                model, opt = wrap(module, device, strategy, init_model_with_meta_device=meta, fsdp_double_buffer=double_buffer)
+                train(model, opt, data)
+                diff = max_diff(mf.get_full_state_dict(model), ref)
+                model.finish_param_sync()
+                worst = max(worst, diff)
+                rows.append(dict(strategy=strategy, meta_init=meta, double_buffer=double_buffer, max_abs_diff=diff))
+                release(model, opt, ref, module)
+    return dict(rows=rows, worst=worst, tolerance=1e-5, passed=worst <= 1e-5)
+
+
+def check_bf16(device: torch.device) -> dict:
+    """bf16 compute with fp32 main weights against an explicit fp32-master loop."""
+    data = batches(5, 4, SMALL, device)
+    ref = build(SMALL, device).to(torch.bfloat16)
+    master = [p.detach().float().clone().requires_grad_(True) for p in ref.parameters()]
+    opt_ref = adamw(master)
+    for tokens in data:
+        loss = gpt_loss(ref(tokens[:, :-1]), tokens[:, 1:])
+        ref.zero_grad()
+        loss.backward()
+        for m, p in zip(master, ref.parameters()):
+            m.grad = p.grad.float()
+        opt_ref.step()
+        with torch.no_grad():
+            for m, p in zip(master, ref.parameters()):
+                p.copy_(m)
+    rows, worst = [], 0.0
+    for strategy in STRATEGIES:
+        module = build(SMALL, device).to(torch.bfloat16)
+        policy = mf.MixedPrecisionPolicy(main_params_dtype=torch.float32, main_grads_dtype=torch.float32)
+        model, opt = wrap(module, device, strategy, mixed_precision_policy=policy)
+        train(model, opt, data)
+        full = mf.get_full_state_dict(model)
+        names = [n for n, _ in ref.named_parameters()]
+        diff = max((full[n].float().cpu() - m.detach().cpu()).abs().max().item() for n, m in zip(names, master))
+        model.finish_param_sync()
+        worst = max(worst, diff)
+        rows.append(dict(strategy=strategy, max_abs_diff_main_weights=diff))
+        release(model, opt, module)
+    # bf16 rounding of a compute weight is 2^-8 relative; weights here are O(0.1).
+    return dict(rows=rows, worst=worst, tolerance=2e-3, passed=worst <= 2e-3)
+
+
+def check_checkpoint(device: torch.device, out: Path) -> dict:
+    data = batches(6, 4, SMALL, device)
+    rows, ok = [], True
+    for strategy in STRATEGIES:
+        ckpt = out / f"ckpt_{strategy}"
+        model, opt = wrap(build(SMALL, device), device, strategy)
+        train(model, opt, data[:3])
+        mf.save_checkpoint(ckpt, model, opt)
+        straight = train(model, opt, data[3:])
+        fresh, fresh_opt = wrap(build(SMALL, device, seed=7), device, strategy)
+        train(fresh, fresh_opt, data[:1])  # give the fresh optimizer state to overwrite
+        mf.load_checkpoint(ckpt, fresh, fresh_opt)
+        resumed = train(fresh, fresh_opt, data[3:])
+        diff = max_diff(mf.get_full_state_dict(fresh), _as_module(mf.get_full_state_dict(model), device))
+        equal = resumed == straight and diff == 0.0
+        ok &= equal
+        rows.append(dict(strategy=strategy, losses_equal=resumed == straight, max_abs_diff=diff))
+        for m in (model, fresh):
+            m.finish_param_sync()
+        release(model, opt, fresh, fresh_opt)
+    return dict(rows=rows, passed=ok)
+
+
+def _as_module(state: dict, device: torch.device) -> torch.nn.Module:
+    module = build(SMALL, device)
+    module.load_state_dict(state, strict=False)
+    return module
+
+
+def check_memory(device: torch.device) -> dict:
+    rows, ok = [], True
+    for strategy in STRATEGIES:
+        for double_buffer in (False, True):
+            gc.collect()
+            device_mod.empty_cache(device)
+            before = device_mod.memory_allocated(device)
+            with torch.device("meta"):
+                module = build(SMALL, "meta")
+            model, opt = wrap(module, device, strategy, init_model_with_meta_device=True, fsdp_double_buffer=double_buffer)
+            acc = model.buffer_accounting
+            held = device_mod.memory_allocated(device) - before
+            expected = acc.total_persistent + acc.temporary
+            rel = abs(held - expected) / max(expected, 1)
+            ok &= rel <= 0.01 or device.type != "cuda"  # memory_allocated() is 0 on the CPU
+            rows.append(dict(strategy=strategy, double_buffer=double_buffer, allocated=held, accounted=expected, rel_error=rel))
+            release(model, opt, module)
+    return dict(rows=rows, tolerance=0.01, passed=ok if device.type == "cuda" else None)
+
+
+def check_host_syncs(device: torch.device) -> dict:
+    data = batches(6, 4, SMALL, device)
+    rows = []
+    for strategy in STRATEGIES:
+        for nan_check in (False, True):
+            model, opt = wrap(build(SMALL, device), device, strategy, check_for_nan_in_grad=nan_check)
+            train(model, opt, data[:3])  # warm up: lazy state, allocator, cuBLAS handles
+            per_step, sites = [], set()
+            for tokens in data[3:]:
+                with device_mod.HostSyncCounter(device) as counter:
+                    opt.zero_grad()
+                    loss = gpt_loss(model(tokens[:, :-1]), tokens[:, 1:])
+                    loss.backward()
+                    opt.step()
+                per_step.append(counter.count)
+                sites.update(counter.sites)
+            model.finish_param_sync()
+            rows.append(dict(strategy=strategy, nan_check=nan_check, syncs_per_step=per_step, sites=sorted(sites)[:20]))
+            release(model, opt)
+    goal = all(max(r["syncs_per_step"]) <= (1 if r["nan_check"] else 0) for r in rows)
+    return dict(rows=rows, goal="0 without NaN checks, 1 with", passed=goal)
+
+
+def _build_impl(name: str, cfg: dict, device: torch.device):
+    module = build(cfg, device)
+    if name == "bare":
+        model, opt = module, torch.optim.AdamW(module.parameters(), lr=1e-4, fused=device.type == "cuda")
+    elif name == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in module.blocks:
+            fully_shard(block)
+        model = fully_shard(module)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    else:
+        model = mf.fully_shard_model(module, fsdp_unit_modules=[TransformerBlock], zero_dp_strategy=name, device=device)
+        opt = mf.fully_shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda"))
+    return model, opt
+
+
+def _time_impl(name: str, cfg: dict, device: torch.device, data, steps: int, warmup: int) -> float:
+    model, opt = _build_impl(name, cfg, device)
+    train(model, opt, data[:warmup], autocast=True)
+    device_mod.synchronize(device)
+    start = time.perf_counter()
+    train(model, opt, data[warmup : warmup + steps], autocast=True)
+    device_mod.synchronize(device)
+    elapsed = (time.perf_counter() - start) / steps
+    if hasattr(model, "finish_param_sync"):
+        model.finish_param_sync()
+    release(model, opt)
+    device_mod.empty_cache(device)
+    return elapsed
+
+
+def check_step_profile(device: torch.device, out: Path) -> dict:
+    """Where a 1B step's time goes, per implementation: the top kernels and ops."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cfg = BILLION if device.type == "cuda" else SMALL
+    data = batches(6, 8 if device.type == "cuda" else 2, cfg, device)
+    rows = {}
+    for name in ("bare", "no_shard", "optim_grads_params"):
+        model, opt = _build_impl(name, cfg, device)
+        train(model, opt, data[:3], autocast=True)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with profile(activities=activities) as prof:
+            train(model, opt, data[3:], autocast=True)
+            device_mod.synchronize(device)
+        events = prof.key_averages()
+        key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        top = sorted(events, key=lambda e: getattr(e, key), reverse=True)[:25]
+        rows[name] = dict(
+            device_ms_per_step=sum(getattr(e, key) for e in events) / 3e3,
+            top=[(e.key[:90], e.count, round(getattr(e, key) / 3e3, 3), round(e.cpu_time_total / 3e3, 3)) for e in top],
+        )
+        if hasattr(model, "finish_param_sync"):
+            model.finish_param_sync()
+        release(model, opt)
+        device_mod.empty_cache(device)
+    return dict(rows=rows, passed=None)
+
+
+def check_step_time(device: torch.device, rounds: int, steps: int) -> dict:
+    cfg = BILLION if device.type == "cuda" else dict(SMALL)
+    params = sum(p.numel() for p in build(cfg, "meta").parameters())
+    data = batches(steps + 3, 8 if device.type == "cuda" else 2, cfg, device)
+    impls = ("bare", "fsdp2", "no_shard", "optim_grads_params")
+    times: dict[str, list[float]] = {k: [] for k in impls}
+    for r in range(rounds):
+        order = impls[r % len(impls):] + impls[: r % len(impls)]  # rotate: no impl always runs first
+        for name in order:
+            times[name].append(_time_impl(name, cfg, device, data, steps, warmup=3))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    ratios = {k: med[k] / med["bare"] for k in impls if med["bare"] > 0}
+    passed = bool(ratios) and ratios["optim_grads_params"] <= 1.03 and ratios["no_shard"] <= 1.03
+    return dict(params=params, seconds_per_step=times, median=med, ratio_to_bare=ratios,
+                ratio_to_fsdp2={k: med[k] / med["fsdp2"] for k in impls if med["fsdp2"] > 0},
+                goal="within 3% of bare", passed=passed if device.type == "cuda" else None)
+
+
+def check_profile(device: torch.device, out: Path) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    data = batches(5, 4, SMALL, device)
+    model, opt = wrap(build(SMALL, device), device, "optim_grads_params")
+    train(model, opt, data[:2])
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        train(model, opt, data[2:])
+    trace = out / "trace.json"
+    prof.export_chrome_trace(str(trace))
+    names = {e.key for e in prof.key_averages() if e.key.startswith("megatron_fsdp::")}
+    model.finish_param_sync()
+    return dict(trace=str(trace), megatron_fsdp_ranges=sorted(names)[:40], passed=bool(names))
+
+
+def check_fake_world(device: torch.device, world: int = 8) -> dict:
+    """Rank 0 of a fake world-8 group, in a subprocess (one default group per process)."""
+    cmd = [sys.executable, __file__, "--fake-world", str(world), "--device", device.type]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        return dict(passed=False, error=proc.stderr[-4000:])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def fake_world_main(world: int, device_type: str) -> None:
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
+    rows, ok = [], True
+    for strategy in STRATEGIES:
+        before = device_mod.memory_allocated(device)
+        with torch.device("meta"):
+            module = build(SMALL, "meta")
+        model, opt = wrap(module, device, strategy, init_model_with_meta_device=True)
+        acc = model.buffer_accounting
+        persistent = dict(acc.persistent)
+        train(model, opt, batches(2, 2, SMALL, device))  # collectives are no-ops: shapes and plumbing only
+        params = sum(p.numel() for p in build(SMALL, "meta").parameters())
+        expected_weights = 4 * params / (world if strategy == "optim_grads_params" else 1)
+        weights = persistent.get("model_weights", 0) + persistent.get("main_weights", 0)
+        close = abs(weights - expected_weights) / expected_weights < 0.05  # padding to the world size
+        ok &= close
+        rows.append(dict(strategy=strategy, persistent=persistent, expected_weight_bytes=expected_weights,
+                         allocated=device_mod.memory_allocated(device) - before))
+        model.finish_param_sync()
+        release(model, opt, module)
+    print(json.dumps(dict(world=world, rows=rows, passed=ok)))
+
+
+# -- driver -------------------------------------------------------------------------------
+def init_group(device_type: str) -> torch.device:
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    if device_type == "cuda":
+        device = torch.device("cuda", 0)
+        device_mod.set_device(device)
+        dist.init_process_group("nccl", rank=0, world_size=1, device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    return device
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="results/gpu_check")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
+    parser.add_argument("--sections", default="parity,bf16,checkpoint,memory,syncs,fake_world,profile,step_time")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--fake-world", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.fake_world:
+        return fake_world_main(args.fake_world, args.device)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = init_group(args.device)
+    record = dict(torch=torch.__version__, python=sys.version.split()[0], device=device_mod.describe(device), sections={})
+    sections = {
+        "parity": lambda: check_parity(device),
+        "bf16": lambda: check_bf16(device),
+        "checkpoint": lambda: check_checkpoint(device, out),
+        "memory": lambda: check_memory(device),
+        "syncs": lambda: check_host_syncs(device),
+        "fake_world": lambda: check_fake_world(device),
+        "profile": lambda: check_profile(device, out),
+        "step_time": lambda: check_step_time(device, args.rounds, args.steps),
+        "step_profile": lambda: check_step_profile(device, out),
+    }
+    for name in args.sections.split(","):
+        start = time.perf_counter()
+        try:
+            result = sections[name]()
+        except Exception as exc:  # record and go on: one broken section must not hide the others
+            result = dict(passed=False, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-3000:])
+        result["seconds"] = round(time.perf_counter() - start, 1)
+        record["sections"][name] = result
+        print(f"[gpu_check] {name}: passed={result.get('passed')} ({result['seconds']} s)", flush=True)
+        (out / "gpu_check.json").write_text(json.dumps(record, indent=1, default=str))
+    dist.destroy_process_group()
+    failed = [k for k, v in record["sections"].items() if v.get("passed") is False]
+    print(f"[gpu_check] wrote {out / 'gpu_check.json'}; failed: {failed or 'none'}")
+
+
+if __name__ == "__main__":
+    main()
