@@ -1,0 +1,286 @@
+"""The embedded GPT's configuration: the architecture knobs Megatron-LM's flags describe.
+
+Field names follow Megatron-LM's argument names (``--num-query-groups`` ->
+``num_query_groups``) so the launcher maps flags to fields one to one. Defaults
+are Megatron-core's ``TransformerConfig`` defaults, with one deliberate
+exception:
+
+* ``hidden_dropout`` and ``attention_dropout`` default to 0.0 here, not Megatron's
+  0.1. A ``GPTConfig()`` built in a test or the README is then deterministic and
+  compares exactly with single-process training; the launcher passes Megatron's
+  0.1 defaults through its flags, so ``pretrain_gpt.py`` behaves like Megatron-LM.
+
+``GPTConfig()`` builds the same model, parameter for parameter and number for
+number, as before these fields existed (a GPT-2 shaped LayerNorm/GELU model with
+learned positions and tied embeddings).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from typing import Optional, Union
+
+
+class _ParsedEnum(enum.Enum):
+    """An enum whose members are also accepted as their (case-insensitive) strings."""
+
+    @classmethod
+    def parse(cls, value: "Union[_ParsedEnum, str]", *, arg_name: str):
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            for member in cls:
+                if value.strip().lower() == member.value.lower():
+                    return member
+        names = ", ".join(repr(m.value) for m in cls)
+        raise ValueError(f"{arg_name}={value!r} is not one of {names}; pass one of those")
+
+
+class Normalization(_ParsedEnum):
+    """Megatron's ``--normalization``."""
+
+    LAYER_NORM = "LayerNorm"
+    """(x - mean) / sqrt(var + eps) * weight + bias."""
+    RMS_NORM = "RMSNorm"
+    """x / sqrt(mean(x^2) + eps) * weight; no bias (Llama)."""
+
+
+class PositionEmbeddingType(_ParsedEnum):
+    """Megatron's ``--position-embedding-type``."""
+
+    LEARNED_ABSOLUTE = "learned_absolute"
+    """A learned (seq_length, hidden) table added to the token embeddings (GPT-2/3)."""
+    ROPE = "rope"
+    """Rotary embeddings applied to queries and keys inside attention (Llama)."""
+    NONE = "none"
+    """No position information besides the causal mask (NoPE)."""
+
+
+class RecomputeGranularity(_ParsedEnum):
+    """Megatron's ``--recompute-granularity``."""
+
+    FULL = "full"
+    """Checkpoint every transformer block: keep only block inputs, recompute the rest."""
+    SELECTIVE = "selective"
+    """Checkpoint only the attention core (softmax(QK^T)V), Megatron's ``core_attn``."""
+
+
+def vocab_size_with_padding(vocab_size: int, make_vocab_size_divisible_by: int = 128,
+                            tensor_model_parallel_size: int = 1) -> int:
+    """Megatron-LM's padded vocabulary: the next multiple of
+    ``make_vocab_size_divisible_by * tensor_model_parallel_size`` at or above
+    ``vocab_size`` (the extra rows are never-seen dummy tokens that make the
+    embedding and output GEMMs a friendly size)."""
+    for name, value in (("vocab_size", vocab_size), ("make_vocab_size_divisible_by", make_vocab_size_divisible_by),
+                        ("tensor_model_parallel_size", tensor_model_parallel_size)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{name}={value!r} must be a positive integer")
+    multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
+    return math.ceil(vocab_size / multiple) * multiple
+
+
+def megatron_swiglu_ffn_hidden_size(hidden_size: int) -> int:
+    """Megatron-LM's ``--ffn-hidden-size`` default with ``--swiglu``: two thirds of
+    4 * hidden (the gate doubles the first projection, so the parameter count stays
+    near a 4 * hidden GELU MLP), rounded down to a multiple of 64."""
+    return int((4 * hidden_size * 2 / 3) / 64) * 64
+
+
+@dataclasses.dataclass(kw_only=True)
+class GPTConfig:
+    """Architecture of the embedded GPT (``megatron_fsdp.models.GPT``)."""
+
+    # -- sizes ------------------------------------------------------------------------
+    vocab_size: int = 256
+    """Rows of the embedding table. Byte-level by default: the embedded corpus needs
+    no tokenizer. Pad a tokenizer's vocabulary with ``vocab_size_with_padding``."""
+    seq_length: int = 64
+    """Longest sequence the model accepts (Megatron's ``--max-position-embeddings``)."""
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    num_query_groups: Optional[int] = None
+    """Key/value heads for group-query attention; ``None`` = one per query head (MHA)."""
+    kv_channels: Optional[int] = None
+    """Width of one attention head; ``None`` = hidden_size / num_attention_heads."""
+    ffn_hidden_size: Optional[int] = None
+    """MLP width; ``None`` = 4 * hidden_size, or Megatron's swiglu default
+    (``megatron_swiglu_ffn_hidden_size``) when ``swiglu``. Filled in by validation."""
+
+    # -- architecture -----------------------------------------------------------------
+    swiglu: bool = False
+    """Gated SiLU MLP, silu(x W_gate) * (x W_up), instead of GELU."""
+    openai_gelu: bool = True
+    """GELU by its tanh approximation (Megatron's ``--openai-gelu``). True here, as this
+    model always had; Megatron-LM's default is the exact (erf) GELU, so the launcher
+    passes its flag (False unless given)."""
+    normalization: Union[Normalization, str] = Normalization.LAYER_NORM
+    norm_epsilon: float = 1e-5
+    apply_layernorm_1p: bool = False
+    """Zero-centred norm weights: the norm multiplies by (1 + weight) and weight starts
+    at 0, so weight decay pulls the scale towards 1 (Megatron's ``--apply-layernorm-1p``)."""
+    qk_layernorm: bool = False
+    """Normalise each head's queries and keys (same norm type) before RoPE."""
+    position_embedding_type: Union[PositionEmbeddingType, str] = PositionEmbeddingType.LEARNED_ABSOLUTE
+    rotary_base: int = 10000
+    rotary_percent: float = 1.0
+    """Fraction of each head's channels that RoPE rotates; the rest pass through."""
+    untie_embeddings_and_output_weights: bool = False
+    """Give the output layer its own weight instead of the embedding's."""
+    add_bias_linear: bool = True
+    """Biases on the linear layers (Megatron's ``--disable-bias-linear`` sets False).
+    Norms keep their own bias whatever this says, as in Megatron."""
+
+    # -- regularisation and init ------------------------------------------------------
+    hidden_dropout: float = 0.0
+    """Dropout on the embeddings and on each residual branch (Megatron default 0.1;
+    0.0 here, see the module docstring)."""
+    attention_dropout: float = 0.0
+    """Dropout on the attention probabilities (Megatron default 0.1; 0.0 here)."""
+    init_method_std: float = 0.02
+    """Weights ~ N(0, std); the two residual output projections of every block use
+    std / sqrt(2 * num_layers) (Megatron's scaled init). Biases start at zero."""
+    recompute_granularity: Union[RecomputeGranularity, str, None] = None
+    """Activation recomputation; ``None`` keeps every activation."""
+
+    # -- mixture of experts -----------------------------------------------------------
+    num_moe_experts: Optional[int] = None
+    """Experts per MoE layer; ``None`` = dense model (Megatron's ``--num-experts``)."""
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: Optional[int] = None
+    """Width of one expert's MLP; ``None`` = ffn_hidden_size (as Megatron-LM)."""
+    moe_aux_loss_coeff: float = 0.0
+    """Weight of the switch-transformer load-balancing loss of every MoE layer."""
+    moe_router_pre_softmax: bool = False
+    """Softmax over all experts before top-k (probabilities not renormalised over the
+    k chosen); by default softmax over the k chosen logits, as Megatron."""
+    moe_layer_freq: Union[int, list[int]] = 1
+    """Which layers are MoE: every N-th layer (layer i when i % N == 0), or a 0/1 list
+    with one entry per layer (Megatron's ``--moe-layer-freq``)."""
+
+    # -- legacy spellings (kept so existing callers keep working) --------------------
+    tie_embeddings: Optional[bool] = None
+    """Old name: ``tie_embeddings=False`` is ``untie_embeddings_and_output_weights=True``.
+    Folded into that field by validation (and reset to ``None``)."""
+    recompute: bool = False
+    """Old name: ``recompute=True`` is ``recompute_granularity='full'``. Folded into that
+    field by validation (and reset to ``False``)."""
+
+    def __post_init__(self) -> None:
+        self._resolve_legacy()
+        self.normalization = Normalization.parse(self.normalization, arg_name="normalization")
+        self.position_embedding_type = PositionEmbeddingType.parse(
+            self.position_embedding_type, arg_name="position_embedding_type")
+        if self.recompute_granularity is not None:
+            self.recompute_granularity = RecomputeGranularity.parse(
+                self.recompute_granularity, arg_name="recompute_granularity")
+        self._check_sizes()
+        self._check_attention()
+        self._check_regularisation()
+        self._check_moe()
+
+    # -- validation ----------------------------------------------------------------------
+    def _resolve_legacy(self) -> None:
+        if self.tie_embeddings is not None:
+            if self.tie_embeddings and self.untie_embeddings_and_output_weights:
+                raise ValueError("tie_embeddings=True contradicts untie_embeddings_and_output_weights=True; "
+                                 "pass only untie_embeddings_and_output_weights")
+            self.untie_embeddings_and_output_weights = not self.tie_embeddings
+        if self.recompute:
+            if self.recompute_granularity not in (None, "full", RecomputeGranularity.FULL):
+                raise ValueError(f"recompute=True (full) contradicts recompute_granularity="
+                                 f"{self.recompute_granularity!r}; pass only recompute_granularity")
+            self.recompute_granularity = RecomputeGranularity.FULL
+        # Folded into the new fields: clearing them keeps dataclasses.replace() from
+        # re-applying a stale legacy value over a changed new field.
+        self.tie_embeddings, self.recompute = None, False
+
+    def _check_sizes(self) -> None:
+        for name in ("vocab_size", "seq_length", "num_layers", "hidden_size", "num_attention_heads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if self.kv_channels is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(
+                    f"hidden_size={self.hidden_size} must be divisible by num_attention_heads="
+                    f"{self.num_attention_heads}, or pass kv_channels (the width of one head)")
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        elif self.kv_channels <= 0:
+            raise ValueError(f"kv_channels={self.kv_channels} must be positive")
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = megatron_swiglu_ffn_hidden_size(self.hidden_size) if self.swiglu \
+                else 4 * self.hidden_size
+            if self.ffn_hidden_size <= 0:
+                raise ValueError(
+                    f"swiglu's default ffn_hidden_size (2/3 * 4 * hidden rounded down to 64) is 0 for "
+                    f"hidden_size={self.hidden_size}; pass ffn_hidden_size explicitly")
+        elif self.ffn_hidden_size <= 0:
+            raise ValueError(f"ffn_hidden_size={self.ffn_hidden_size} must be positive")
+
+    def _check_attention(self) -> None:
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        if self.num_query_groups <= 0 or self.num_attention_heads % self.num_query_groups:
+            raise ValueError(
+                f"num_query_groups={self.num_query_groups} must divide num_attention_heads="
+                f"{self.num_attention_heads} (each key/value head serves a whole group of query heads)")
+        if self.norm_epsilon <= 0:
+            raise ValueError(f"norm_epsilon={self.norm_epsilon} must be positive")
+        if self.position_embedding_type is PositionEmbeddingType.ROPE:
+            if not 0.0 < self.rotary_percent <= 1.0:
+                raise ValueError(f"rotary_percent={self.rotary_percent} must be in (0, 1]")
+            if self.rotary_dim % 2 or self.rotary_dim == 0:
+                raise ValueError(
+                    f"RoPE rotates pairs of channels: kv_channels={self.kv_channels} * rotary_percent="
+                    f"{self.rotary_percent} gives {self.rotary_dim} channels; choose values that give an even, "
+                    "non-zero number")
+            if self.rotary_base <= 0:
+                raise ValueError(f"rotary_base={self.rotary_base} must be positive")
+
+    def _check_regularisation(self) -> None:
+        for name in ("hidden_dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name}={getattr(self, name)} must be in [0, 1)")
+        if self.init_method_std <= 0:
+            raise ValueError(f"init_method_std={self.init_method_std} must be positive")
+
+    def _check_moe(self) -> None:
+        if self.num_moe_experts is None:
+            return
+        if self.num_moe_experts <= 0:
+            raise ValueError(f"num_moe_experts={self.num_moe_experts} must be positive (or None for a dense model)")
+        if not 1 <= self.moe_router_topk <= self.num_moe_experts:
+            raise ValueError(f"moe_router_topk={self.moe_router_topk} must be between 1 and num_moe_experts="
+                             f"{self.num_moe_experts}")
+        if self.moe_ffn_hidden_size is None:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size
+        if self.moe_aux_loss_coeff < 0:
+            raise ValueError(f"moe_aux_loss_coeff={self.moe_aux_loss_coeff} must be >= 0")
+        pattern = self.moe_layer_pattern
+        if len(pattern) != self.num_layers or any(v not in (0, 1) for v in pattern):
+            raise ValueError(f"moe_layer_freq={self.moe_layer_freq!r} must be a positive int or a list of "
+                             f"{self.num_layers} zeros and ones (one per layer)")
+
+    # -- derived -------------------------------------------------------------------------
+    @property
+    def rotary_dim(self) -> int:
+        """Channels of each head that RoPE rotates (Megatron: int(kv_channels * rotary_percent))."""
+        return int(self.kv_channels * self.rotary_percent)
+
+    @property
+    def moe_layer_pattern(self) -> list[int]:
+        """1 for each MoE layer, 0 for each dense layer."""
+        if self.num_moe_experts is None:
+            return [0] * self.num_layers
+        freq = self.moe_layer_freq
+        if isinstance(freq, int) and not isinstance(freq, bool):
+            if freq <= 0:
+                return []  # rejected by _check_moe
+            return [1 if i % freq == 0 else 0 for i in range(self.num_layers)]
+        return list(freq)
+
+    def is_moe_layer(self, layer_number: int) -> bool:
+        return bool(self.moe_layer_pattern[layer_number])

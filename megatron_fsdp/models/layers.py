@@ -1,0 +1,107 @@
+"""Leaf layers of the embedded GPT: initialised linears and embeddings, norms.
+
+Every module initialises its own parameters in ``reset_parameters()``, so a model
+built on the meta device and materialised module by module (megatron_fsdp's
+``init_model_with_meta_device``) gets the same numbers as an eager build under
+the same seed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .config import GPTConfig, Normalization
+
+
+def scaled_init_std(cfg: GPTConfig) -> float:
+    """Megatron's init for the projections that feed the residual stream (attention
+    output, MLP output): std / sqrt(2 * num_layers), so the residual's variance does
+    not grow with depth."""
+    return cfg.init_method_std / math.sqrt(2 * cfg.num_layers)
+
+
+class InitLinear(nn.Linear):
+    """Linear with Megatron/GPT-2 initialisation: weight ~ N(0, std), bias = 0."""
+
+    def __init__(self, *args, std: float = 0.02, **kwargs) -> None:
+        self.std = std  # set before nn.Linear.__init__, which calls reset_parameters
+        super().__init__(*args, **kwargs)
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=self.std)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+
+class InitEmbedding(nn.Embedding):
+    """Embedding table ~ N(0, std)."""
+
+    def __init__(self, *args, std: float = 0.02, **kwargs) -> None:
+        self.std = std
+        super().__init__(*args, **kwargs)
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=self.std)
+
+
+class ZeroCenteredNorm(nn.Module):
+    """LayerNorm or RMSNorm whose scale is (1 + weight), weight starting at zero
+    (Megatron's ``--apply-layernorm-1p``): weight decay then pulls the scale towards
+    1 rather than 0. Same function as the plain norm at initialisation."""
+
+    def __init__(self, size: int, eps: float, kind: Normalization) -> None:
+        super().__init__()
+        self.kind, self.eps = kind, eps
+        self.weight = nn.Parameter(torch.empty(size))
+        self.bias = nn.Parameter(torch.empty(size)) if kind is Normalization.LAYER_NORM else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = self.weight + 1
+        if self.kind is Normalization.LAYER_NORM:
+            return F.layer_norm(x, scale.shape, scale, self.bias, self.eps)
+        return F.rms_norm(x, scale.shape, scale, self.eps)
+
+
+def build_norm(cfg: GPTConfig, size: int) -> nn.Module:
+    """The configured norm over the last ``size`` channels. LayerNorm keeps its bias
+    even with ``add_bias_linear=False``, as in Megatron; RMSNorm has none."""
+    if cfg.apply_layernorm_1p:
+        return ZeroCenteredNorm(size, cfg.norm_epsilon, cfg.normalization)
+    if cfg.normalization is Normalization.RMS_NORM:
+        return nn.RMSNorm(size, eps=cfg.norm_epsilon)
+    return nn.LayerNorm(size, eps=cfg.norm_epsilon)
+
+
+class MLP(nn.Module):
+    """The feed-forward branch: GELU (GPT) or gated SiLU (``swiglu``, Llama).
+
+    With swiglu, ``fc`` produces [gate | up] side by side (Megatron's
+    ``linear_fc1`` layout) and the output is proj(silu(gate) * up)."""
+
+    def __init__(self, cfg: GPTConfig, ffn_hidden_size: int | None = None) -> None:
+        super().__init__()
+        ffn = ffn_hidden_size or cfg.ffn_hidden_size
+        self.swiglu = cfg.swiglu
+        self.gelu_approximate = "tanh" if cfg.openai_gelu else "none"
+        self.fc = InitLinear(cfg.hidden_size, 2 * ffn if cfg.swiglu else ffn, bias=cfg.add_bias_linear,
+                             std=cfg.init_method_std)
+        self.proj = InitLinear(ffn, cfg.hidden_size, bias=cfg.add_bias_linear, std=scaled_init_std(cfg))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)  # (..., ffn) or (..., 2 * ffn)
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up  # (..., ffn)
+        else:
+            h = F.gelu(h, approximate=self.gelu_approximate)
+        return self.proj(h)  # (..., hidden)

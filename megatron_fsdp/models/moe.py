@@ -1,0 +1,149 @@
+"""Mixture of experts: a top-k router over MLP experts, with the switch-transformer
+load-balancing loss, following Megatron-core's ``TopKRouter`` / ``MoELayer``
+semantics (dropless, softmax score function, ``aux_loss`` balancing).
+
+[Note: expert parameters] Every expert's parameters carry Megatron's mark
+``param.allreduce = False``. megatron_fsdp reads that mark
+(``megatron_fsdp.marks.is_expert_param``) and keeps those parameters in their
+own buffers on the expert data-parallel group of ``expt_device_mesh``; pass one
+when wrapping (``expert_device_mesh()`` builds it for expert-parallel size 1,
+where every rank holds every expert). The attribute is Megatron's public
+convention, set where the experts are built, as Megatron's own layers do.
+
+[Note: attaching the aux loss] The load-balancing loss is not added to the
+language-model loss the caller computes. As in Megatron-core
+(``MoEAuxLossAutoScaler``), it rides on the layer's output: forward is the
+identity, backward also hands ``aux_loss_scale`` to the aux loss as its
+gradient. The gradient is therefore that of ``lm_loss + sum(aux losses)`` when
+``lm_loss`` is the mean over the tokens of one forward and the scale is 1, and
+it flows back through the block's output, so megatron_fsdp's per-unit
+pre-backward gather and activation recomputation see nothing unusual. When the
+training loop divides the loss (gradient accumulation over N micro-batches,
+loss scaling), set the same factor with ``GPT.set_moe_aux_loss_scale``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..marks import is_expert_param
+from .config import GPTConfig
+from .layers import MLP
+
+
+def mark_expert_parameters(module: nn.Module) -> None:
+    """Mark ``module``'s parameters as expert parameters (Megatron's ``allreduce=False``)."""
+    for param in module.parameters():
+        param.allreduce = False
+
+
+def has_expert_parameters(module: nn.Module) -> bool:
+    return any(is_expert_param(p) for p in module.parameters())
+
+
+def expert_device_mesh(device_type: str):
+    """The expert data-parallel mesh for expert-parallel size 1: the same ranks and
+    dimension names as megatron_fsdp's default mesh, so ``fully_shard(...,
+    expt_device_mesh=expert_device_mesh("cpu"))`` puts the experts on it."""
+    from ..distributed_index import build_default_mesh
+
+    return build_default_mesh(device_type)
+
+
+def route(logits: torch.Tensor, topk: int, pre_softmax: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits (n, E) -> probs (n, k), expert indices (n, k).
+
+    Megatron's default: pick the k largest logits, softmax over those k (each token's
+    weights sum to 1). ``pre_softmax``: softmax over all E, then pick the k largest
+    probabilities without renormalising. Softmax in fp32, probs in the logits' dtype."""
+    if pre_softmax:
+        probs, indices = torch.softmax(logits, dim=-1, dtype=torch.float32).topk(topk, dim=-1)
+    else:
+        top_logits, indices = logits.topk(topk, dim=-1)
+        probs = torch.softmax(top_logits, dim=-1, dtype=torch.float32)
+    return probs.type_as(logits), indices
+
+
+def switch_load_balancing_loss(logits: torch.Tensor, indices: torch.Tensor, coeff: float) -> torch.Tensor:
+    """Switch-transformer balancing loss of one layer on the tokens of one forward:
+
+        coeff * E * sum_i f_i * P_i,  f_i = (tokens routed to i) / (T * k),  P_i = mean_x softmax(logits_x)_i
+
+    (Megatron-core's ``switch_load_balancing_loss_func``). It is 1 * coeff when
+    routing is uniform and grows as tokens pile onto few experts. Only P carries a
+    gradient (the counts are not differentiable)."""
+    num_tokens, num_experts = logits.shape
+    topk = indices.shape[-1]
+    scores = torch.softmax(logits, dim=-1, dtype=torch.float32)  # (n, E)
+    tokens_per_expert = torch.bincount(indices.reshape(-1), minlength=num_experts).to(scores.dtype)  # (E,)
+    scale = num_experts * coeff / (topk * num_tokens * num_tokens)
+    return (scores.sum(dim=0) * tokens_per_expert).sum() * scale
+
+
+class _AttachAuxLoss(torch.autograd.Function):
+    """Identity on ``activation``; in backward, ``scale`` is the aux loss's gradient.
+    See [Note: attaching the aux loss]."""
+
+    @staticmethod
+    def forward(ctx, activation: torch.Tensor, aux_loss: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        ctx.aux_meta = (aux_loss.shape, aux_loss.dtype, aux_loss.device)
+        return activation.view_as(activation)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        shape, dtype, device = ctx.aux_meta
+        return grad_output, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
+
+
+class TopKRouter(nn.Module):
+    """Scores every token against every expert: logits = x W^T, W ~ N(0, std), no bias."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.std = cfg.init_method_std
+        self.weight = nn.Parameter(torch.empty(cfg.num_moe_experts, cfg.hidden_size))  # (E, hidden)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=self.std)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.linear(tokens, self.weight)  # (n, hidden) -> (n, E)
+
+
+class MoELayer(nn.Module):
+    """Replaces a block's MLP: each token goes to its top-k experts and comes back as
+    the probability-weighted sum of their outputs. Dropless (no capacity limit)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.topk = cfg.moe_router_topk
+        self.pre_softmax = cfg.moe_router_pre_softmax
+        self.aux_loss_coeff = cfg.moe_aux_loss_coeff
+        self.router = TopKRouter(cfg)
+        self.experts = nn.ModuleList(MLP(cfg, cfg.moe_ffn_hidden_size) for _ in range(cfg.num_moe_experts))
+        mark_expert_parameters(self.experts)
+        self.aux_loss_scale = 1.0
+        """Gradient handed to the aux loss in backward; see [Note: attaching the aux loss]."""
+        self.last_aux_loss: torch.Tensor | None = None
+        """This layer's aux loss of the latest training forward, detached (for logging)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.shape[-1])  # (n, hidden), n = b * t
+        logits = self.router(tokens)  # (n, E)
+        probs, indices = route(logits, self.topk, self.pre_softmax)  # (n, k), (n, k)
+        out = torch.zeros_like(tokens)
+        for e, expert in enumerate(self.experts):
+            # Every expert runs, on zero tokens if need be: its gradient is then an
+            # explicit zero rather than missing, the same on every rank.
+            rows, slot = (indices == e).nonzero(as_tuple=True)  # tokens routed to e, and which of their k picks
+            out = out.index_add(0, rows, expert(tokens[rows]) * probs[rows, slot].unsqueeze(-1))
+        out = out.view_as(x)  # (b, t, hidden)
+        if self.aux_loss_coeff > 0 and self.training and torch.is_grad_enabled():
+            aux_loss = switch_load_balancing_loss(logits, indices, self.aux_loss_coeff)
+            self.last_aux_loss = aux_loss.detach()
+            out = _AttachAuxLoss.apply(out, aux_loss, self.aux_loss_scale)
+        return out

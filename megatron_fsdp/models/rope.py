@@ -1,0 +1,40 @@
+"""Rotary position embeddings (RoPE), Megatron-core's non-interleaved layout.
+
+Channel j of the rotated part is paired with channel j + rot_dim/2 (the
+"rotate half" layout of GPT-NeoX and Megatron, not the interleaved pairs of the
+original paper); the pair at position p turns by angle p * base^(-2j/rot_dim).
+With ``rotary_percent < 1`` only the first rot_dim channels of each head turn;
+the rest pass through unchanged.
+
+cos/sin are recomputed per forward from the sequence length: t * rot_dim/2
+trig evaluations are nothing next to attention, and holding no buffer keeps the
+module free of meta-device and device-placement concerns.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rope_angles(seq_len: int, rot_dim: int, base: float, device: torch.device) -> torch.Tensor:
+    """(seq_len, rot_dim) angles: position * inverse frequency, each frequency
+    repeated for both halves of the rotated channels. Computed in fp32."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.float32, device=device) / rot_dim))  # (rot_dim/2,)
+    positions = torch.arange(seq_len, dtype=torch.float32, device=device)  # (t,)
+    freqs = torch.outer(positions, inv_freq)  # (t, rot_dim/2)
+    return torch.cat((freqs, freqs), dim=-1)  # (t, rot_dim)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+    """x: (b, heads, t, head_dim), angles: (t, rot_dim) -> x with its first rot_dim
+    channels rotated per position."""
+    rot_dim = angles.shape[-1]
+    x_rot, x_pass = x[..., :rot_dim], x[..., rot_dim:]
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)  # (t, rot_dim), broadcast over (b, heads)
+    rotated = x_rot * cos + _rotate_half(x_rot) * sin
+    return torch.cat((rotated, x_pass), dim=-1) if x_pass.shape[-1] else rotated

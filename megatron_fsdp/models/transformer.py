@@ -1,0 +1,91 @@
+"""Self-attention and the transformer block (the FSDP unit of the embedded GPT).
+
+Shapes: b = batch, t = time, h = query heads, g = key/value groups, d = kv_channels
+(the width of one head), n = b * t tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from .config import GPTConfig, PositionEmbeddingType, RecomputeGranularity
+from .layers import MLP, InitLinear, build_norm, scaled_init_std
+from .moe import MoELayer
+from .rope import apply_rope, rope_angles
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head, or group-query when num_query_groups < heads: each of the g
+    key/value heads serves h/g consecutive query heads (Megatron's grouping).
+
+    ``qkv`` projects to [q (h*d) | k (g*d) | v (g*d)]; with g = h and d = hidden/h
+    that is the classic fused (3 * hidden, hidden) projection."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.heads, self.groups, self.head_dim = cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels
+        self.q_size, self.kv_size = self.heads * self.head_dim, self.groups * self.head_dim
+        self.qkv = InitLinear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.add_bias_linear,
+                              std=cfg.init_method_std)
+        self.proj = InitLinear(self.q_size, cfg.hidden_size, bias=cfg.add_bias_linear, std=scaled_init_std(cfg))
+        if cfg.qk_layernorm:
+            self.q_layernorm = build_norm(cfg, self.head_dim)
+            self.k_layernorm = build_norm(cfg, self.head_dim)
+        self.qk_layernorm = cfg.qk_layernorm
+        self.rope = cfg.position_embedding_type is PositionEmbeddingType.ROPE
+        self.rotary_dim, self.rotary_base = cfg.rotary_dim, cfg.rotary_base
+        self.dropout = cfg.attention_dropout
+        self.recompute_core = cfg.recompute_granularity is RecomputeGranularity.SELECTIVE
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=2)
+        q = q.view(b, t, self.heads, self.head_dim).transpose(1, 2)  # (b, h, t, d)
+        k = k.view(b, t, self.groups, self.head_dim).transpose(1, 2)  # (b, g, t, d)
+        v = v.view(b, t, self.groups, self.head_dim).transpose(1, 2)  # (b, g, t, d)
+        if self.qk_layernorm:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
+        if self.rope:
+            angles = rope_angles(t, self.rotary_dim, self.rotary_base, x.device)  # (t, rotary_dim)
+            q, k = apply_rope(q, angles), apply_rope(k, angles)
+        if self.groups != self.heads:
+            k = k.repeat_interleave(self.heads // self.groups, dim=1)  # (b, h, t, d)
+            v = v.repeat_interleave(self.heads // self.groups, dim=1)  # (b, h, t, d)
+        if self.recompute_core and torch.is_grad_enabled():
+            # Selective recompute: keep q, k, v; recompute softmax(QK^T)V in backward
+            # (the RNG state is replayed, so attention dropout draws the same mask).
+            y = checkpoint(self._core_attention, q, k, v, use_reentrant=False)
+        else:
+            y = self._core_attention(q, k, v)  # (b, h, t, d)
+        return self.proj(y.transpose(1, 2).reshape(b, t, self.q_size))  # (b, t, hidden)
+
+    def _core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # Scale 1/sqrt(d), as Megatron's default (no query-key layer scaling).
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                              dropout_p=self.dropout if self.training else 0.0)
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x)); the FSDP unit of this model.
+
+    ``layer_number`` (0-based) picks a dense MLP or an MoE layer per ``moe_layer_freq``."""
+
+    def __init__(self, cfg: GPTConfig, layer_number: int = 0) -> None:
+        super().__init__()
+        self.ln_1 = build_norm(cfg, cfg.hidden_size)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = build_norm(cfg, cfg.hidden_size)
+        self.mlp = MoELayer(cfg) if cfg.is_moe_layer(layer_number) else MLP(cfg)
+        self.hidden_dropout = cfg.hidden_dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (b, t, hidden) -> (b, t, hidden)
+        x = x + self._dropout(self.attn(self.ln_1(x)))
+        return x + self._dropout(self.mlp(self.ln_2(x)))
+
+    def _dropout(self, branch: torch.Tensor) -> torch.Tensor:
+        if self.hidden_dropout == 0.0 or not self.training:
+            return branch
+        return F.dropout(branch, self.hidden_dropout, training=True)
