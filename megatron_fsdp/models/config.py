@@ -2,13 +2,21 @@
 
 Field names follow Megatron-LM's argument names (``--num-query-groups`` ->
 ``num_query_groups``) so the launcher maps flags to fields one to one. Defaults
-are Megatron-core's ``TransformerConfig`` defaults, with one deliberate
-exception:
+are Megatron-core's ``TransformerConfig`` defaults, with two deliberate
+exceptions, both so that ``GPTConfig()`` stays the model this package always
+shipped:
 
 * ``hidden_dropout`` and ``attention_dropout`` default to 0.0 here, not Megatron's
   0.1. A ``GPTConfig()`` built in a test or the README is then deterministic and
   compares exactly with single-process training; the launcher passes Megatron's
   0.1 defaults through its flags, so ``pretrain_gpt.py`` behaves like Megatron-LM.
+* ``openai_gelu`` (GELU's tanh approximation) defaults to True; Megatron-LM's
+  default is the exact GELU, which the launcher selects unless ``--openai-gelu``.
+
+Megatron-LM fills some sizes in during validation and so does ``__post_init__``:
+``kv_channels``, ``num_query_groups``, ``ffn_hidden_size`` (with ``--swiglu``
+Megatron-LM's default is 2/3 of 4 * hidden rounded down to 64, not 4 * hidden)
+and ``moe_ffn_hidden_size``.
 
 ``GPTConfig()`` builds the same model, parameter for parameter and number for
 number, as before these fields existed (a GPT-2 shaped LayerNorm/GELU model with

@@ -1,0 +1,173 @@
+"""megatron-core's ``GPTModel`` built from a ``GPTConfig`` (Megatron-LM's
+``--use-mcore-models``), and our weights in its layout.
+
+megatron-core is optional and imported only inside these functions. The model
+uses megatron-core's *local* layer spec (its pure-PyTorch modules: no
+TransformerEngine, no apex). What megatron-core cannot run is refused up front,
+naming the reason:
+
+* no CUDA: megatron-core's GPT forward allocates on ``torch.cuda.current_device()``
+  and forks its CUDA RNG tracker in every attention, so on a CPU-only torch the
+  model builds but cannot run. ``build_mcore_gpt`` raises unless the caller says
+  it provides a CPU bridge (``allow_cpu=True``; the tests use tests/mcore_cpu_shim.py);
+* settings the local spec lacks (``apply_layernorm_1p``: torch norms have no
+  zero-centred gamma) or that this mapping does not carry (a ``moe_layer_freq``
+  other than every layer).
+
+``to_mcore_state_dict`` maps the embedded GPT's state dict onto megatron-core's
+names and fused-QKV layout, so the same weights can run in both (the tests use it
+to check that the two compute the same logits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .config import GPTConfig, PositionEmbeddingType, RecomputeGranularity
+
+
+def mcore_unsupported(cfg: GPTConfig) -> list[str]:
+    """Why megatron-core's local GPT cannot represent ``cfg`` (empty when it can)."""
+    reasons = []
+    if cfg.apply_layernorm_1p:
+        reasons.append("apply_layernorm_1p: the local spec's torch norms have no zero-centred gamma "
+                       "(it needs TransformerEngine)")
+    if cfg.num_moe_experts is not None and cfg.moe_layer_pattern != [1] * cfg.num_layers:
+        reasons.append(f"moe_layer_freq={cfg.moe_layer_freq!r}: only every layer MoE is mapped")
+    return reasons
+
+
+def mcore_args(cfg: GPTConfig, *, seed: int = 1234, params_dtype: torch.dtype = torch.float32) -> argparse.Namespace:
+    """``cfg`` under Megatron-LM's argument names (what ``transformer_config_from_args`` reads)."""
+    return argparse.Namespace(
+        num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
+        ffn_hidden_size=cfg.ffn_hidden_size, kv_channels=cfg.kv_channels, num_query_groups=cfg.num_query_groups,
+        seq_length=cfg.seq_length, max_position_embeddings=cfg.seq_length, padded_vocab_size=cfg.vocab_size,
+        hidden_dropout=cfg.hidden_dropout, attention_dropout=cfg.attention_dropout,
+        init_method_std=cfg.init_method_std, normalization=cfg.normalization.value, norm_epsilon=cfg.norm_epsilon,
+        disable_bias_linear=not cfg.add_bias_linear, swiglu=cfg.swiglu, qk_layernorm=cfg.qk_layernorm,
+        untie_embeddings_and_output_weights=cfg.untie_embeddings_and_output_weights,
+        position_embedding_type=cfg.position_embedding_type.value, rotary_base=cfg.rotary_base,
+        rotary_percent=cfg.rotary_percent, seed=seed,
+        bf16=params_dtype is torch.bfloat16, fp16=params_dtype is torch.float16,
+    )
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+def _transformer_config(cfg: GPTConfig, args: argparse.Namespace):
+    from megatron_fsdp.megatron_core_compat import transformer_config_from_args
+
+    changes: dict = {}
+    if not cfg.swiglu and cfg.openai_gelu:
+        changes["activation_func"] = _gelu_tanh  # Megatron's --openai-gelu
+    if cfg.recompute_granularity is RecomputeGranularity.FULL:
+        changes.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    elif cfg.recompute_granularity is RecomputeGranularity.SELECTIVE:
+        changes.update(recompute_granularity="selective", recompute_modules=["core_attn"])
+    if cfg.num_moe_experts is not None:
+        changes.update(num_moe_experts=cfg.num_moe_experts, moe_router_topk=cfg.moe_router_topk,
+                       moe_ffn_hidden_size=cfg.moe_ffn_hidden_size, moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
+                       moe_router_pre_softmax=cfg.moe_router_pre_softmax, moe_token_dispatcher_type="allgather",
+                       moe_router_load_balancing_type="aux_loss" if cfg.moe_aux_loss_coeff > 0 else "none")
+    config = transformer_config_from_args(args)
+    # replace() re-runs TransformerConfig's validation with the added fields.
+    return dataclasses.replace(config, **changes) if changes else config
+
+
+def build_mcore_gpt(cfg: GPTConfig, *, seed: int = 1234, params_dtype: torch.dtype = torch.float32,
+                    allow_cpu: bool = False) -> nn.Module:
+    """megatron-core's ``GPTModel`` (local spec) with ``cfg``'s architecture.
+
+    Needs megatron-core and an initialised ``torch.distributed`` (its parallel state
+    is set up for TP = PP = EP = 1 if it is not yet). Weights come from torch's
+    global RNG: seed it first for reproducible weights."""
+    from megatron_fsdp.megatron_core_compat import ensure_model_parallel_initialized, require_megatron_core
+
+    require_megatron_core("build_mcore_gpt (--use-mcore-models)")
+    reasons = mcore_unsupported(cfg)
+    if reasons:
+        raise ValueError("megatron-core's local GPTModel cannot represent this config: " + "; ".join(reasons)
+                         + ". Train the embedded GPT (drop --use-mcore-models) or change those settings")
+    if not torch.cuda.is_available() and not allow_cpu:
+        raise RuntimeError(
+            "megatron-core's GPTModel needs CUDA to run: its attention allocates buffers on "
+            "torch.cuda.current_device() and forks the CUDA RNG tracker on every forward, and this torch has no "
+            "CUDA. Train the embedded GPT on CPU (drop --use-mcore-models), run on a GPU, or pass allow_cpu=True "
+            "if you bridge those calls yourself (as tests/mcore_cpu_shim.py does)")
+    from megatron.core import tensor_parallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    ensure_model_parallel_initialized()
+    args = mcore_args(cfg, seed=seed, params_dtype=params_dtype)
+    config = _transformer_config(cfg, args)
+    if torch.cuda.is_available() and not tensor_parallel.get_cuda_rng_tracker().is_initialized():
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    spec = get_gpt_layer_local_spec(num_experts=cfg.num_moe_experts, qk_layernorm=cfg.qk_layernorm,
+                                    normalization=cfg.normalization.value)
+    return GPTModel(
+        config=config, transformer_layer_spec=spec, vocab_size=cfg.vocab_size, max_sequence_length=cfg.seq_length,
+        pre_process=True, post_process=True, parallel_output=True,
+        share_embeddings_and_output_weights=not cfg.untie_embeddings_and_output_weights,
+        position_embedding_type=cfg.position_embedding_type.value, rotary_percent=cfg.rotary_percent,
+        rotary_base=cfg.rotary_base,
+    )
+
+
+# -- weights ---------------------------------------------------------------------------------
+def _grouped_qkv(qkv: torch.Tensor, cfg: GPTConfig) -> torch.Tensor:
+    """Our fused rows [q (h*d) | k (g*d) | v (g*d)] -> megatron-core's, grouped per
+    key/value head: for each group, [its h/g query heads | its key | its value]."""
+    d, g, h = cfg.kv_channels, cfg.num_query_groups, cfg.num_attention_heads
+    q, k, v = qkv.split([h * d, g * d, g * d])
+    tail = qkv.shape[1:]  # (hidden,) for a weight, () for a bias
+    per_group = torch.cat([q.reshape(g, (h // g) * d, *tail), k.reshape(g, d, *tail), v.reshape(g, d, *tail)], dim=1)
+    return per_group.reshape(qkv.shape)
+
+
+_LAYER_NAMES = {  # ours (inside blocks.i.) -> megatron-core's (inside decoder.layers.i.)
+    "ln_1": "input_layernorm", "ln_2": "pre_mlp_layernorm", "attn.proj": "self_attention.linear_proj",
+    "attn.q_layernorm": "self_attention.q_layernorm", "attn.k_layernorm": "self_attention.k_layernorm",
+    "mlp.fc": "mlp.linear_fc1", "mlp.proj": "mlp.linear_fc2", "mlp.router": "mlp.router",
+}
+
+
+def _mcore_name(name: str) -> str:
+    top = {"wte.weight": "embedding.word_embeddings.weight", "wpe.weight": "embedding.position_embeddings.weight",
+           "lm_head.weight": "output_layer.weight"}
+    if name in top:
+        return top[name]
+    if name.startswith("ln_f."):
+        return "decoder.final_layernorm." + name[len("ln_f."):]
+    _, index, rest = name.split(".", 2)  # blocks.<i>.<rest>
+    if rest.startswith("mlp.experts."):
+        _, _, expert, module, leaf = rest.split(".")  # mlp.experts.<e>.<fc|proj>.<leaf>
+        linear = {"fc": "linear_fc1", "proj": "linear_fc2"}[module]
+        return f"decoder.layers.{index}.mlp.experts.local_experts.{expert}.{linear}.{leaf}"
+    module, leaf = rest.rsplit(".", 1)
+    if module == "attn.qkv":
+        return f"decoder.layers.{index}.self_attention.linear_qkv.{leaf}"
+    return f"decoder.layers.{index}.{_LAYER_NAMES[module]}.{leaf}"
+
+
+def to_mcore_state_dict(state_dict: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, torch.Tensor]:
+    """The embedded GPT's weights under megatron-core GPTModel's names and layout.
+    A tied output layer is left out (megatron-core shares the embedding too)."""
+    out = {}
+    for name, tensor in state_dict.items():
+        if name == "lm_head.weight" and not cfg.untie_embeddings_and_output_weights:
+            continue
+        if ".attn.qkv." in name:
+            tensor = _grouped_qkv(tensor, cfg)
+        out[_mcore_name(name)] = tensor
+    if cfg.position_embedding_type is not PositionEmbeddingType.LEARNED_ABSOLUTE:
+        out.pop("embedding.position_embeddings.weight", None)
+    return out

@@ -1,0 +1,95 @@
+"""The embedded GPT computes what megatron-core's GPTModel computes for the same
+config and weights: logits and gradients (the MoE load-balancing loss included),
+for GPT-2/3-style, Llama-style (RoPE, GQA, swiglu, RMSNorm, qk-layernorm, partial
+rotary, odd kv_channels) and MoE configurations. And ``build_mcore_gpt`` refuses
+what megatron-core cannot run, naming why.
+
+megatron-core's CUDA calls on this CPU machine are bridged by
+``mcore_cpu_shim.cpu_shim`` (tests only). megatron-core 0.16.1 also reads an
+undefined ``te_general_gemm`` in its MoE router when TransformerEngine is absent;
+the workers define it as ``None`` (its own "no TE" value) for the duration.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from unittest import mock
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+import torch  # noqa: E402
+
+from megatron_fsdp.models import GPT, GPTConfig, gpt_loss  # noqa: E402
+from megatron_fsdp.models.mcore import build_mcore_gpt, mcore_unsupported, to_mcore_state_dict  # noqa: E402
+
+SEQ, VOCAB = 16, 64
+SMALL = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=SEQ, vocab_size=VOCAB)
+LLAMA = dict(swiglu=True, ffn_hidden_size=40, normalization="RMSNorm", position_embedding_type="rope",
+             num_query_groups=2, untie_embeddings_and_output_weights=True, add_bias_linear=False)
+CONFIGS = {
+    "gpt": dict(),
+    "gpt_exact_gelu_untied": dict(openai_gelu=False, untie_embeddings_and_output_weights=True),
+    "llama": dict(LLAMA, rotary_base=500000),
+    "llama_qk_norm_partial_rope": dict(LLAMA, qk_layernorm=True, rotary_percent=0.5, kv_channels=12),
+    "moe": dict(LLAMA, num_moe_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.05, qk_layernorm=True),
+    "moe_pre_softmax": dict(LLAMA, num_moe_experts=4, moe_router_topk=2, moe_router_pre_softmax=True),
+}
+
+
+@contextlib.contextmanager
+def _mcore_on_cpu():
+    from megatron.core.transformer.moe import moe_utils
+
+    from mcore_cpu_shim import cpu_shim
+
+    with cpu_shim(), mock.patch.object(moe_utils, "te_general_gemm", None, create=True):
+        yield
+
+
+def compare_worker(rank, world, *, name):
+    cfg = GPTConfig(**SMALL, **CONFIGS[name])
+    torch.manual_seed(0)
+    ours = GPT(cfg)
+    tokens = torch.randint(0, VOCAB, (2, SEQ + 1), generator=torch.Generator().manual_seed(1))
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    positions = torch.arange(SEQ).unsqueeze(0).expand_as(inputs)
+    with _mcore_on_cpu():
+        torch.manual_seed(0)
+        theirs = build_mcore_gpt(cfg, allow_cpu=True)
+        missing, unexpected = theirs.load_state_dict(to_mcore_state_dict(ours.state_dict(), cfg), strict=False)
+        theirs.eval(), ours.eval()
+        with torch.no_grad():
+            logit_diff = (ours(inputs) - theirs(inputs, positions, None)).abs().max().item()
+        theirs.train(), ours.train()
+        gpt_loss(ours(inputs), targets).backward()
+        theirs(inputs, positions, None, labels=targets).mean().backward()  # per-token losses (b, t)
+    our_grads = to_mcore_state_dict({n: p.grad for n, p in ours.named_parameters()}, cfg)
+    grad_diff = max((our_grads[n] - p.grad).abs().max().item() for n, p in theirs.named_parameters())
+    router_grad = sum(p.grad.abs().sum().item() for n, p in theirs.named_parameters() if "router" in n)
+    return dict(missing=[m for m in missing if not m.endswith("_extra_state")], unexpected=list(unexpected),
+                logit_diff=logit_diff, grad_diff=grad_diff, router_grad=router_grad,
+                aux=None if ours.moe_aux_loss() is None else ours.moe_aux_loss().item())
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_embedded_gpt_computes_what_megatron_core_computes(pool2, name):
+    result = pool2.run(compare_worker, name=name)[0]
+    assert result["missing"] == [] and result["unexpected"] == [], result  # every weight maps one to one
+    assert result["logit_diff"] < 1e-5 and result["grad_diff"] < 1e-6, result
+    if CONFIGS[name].get("num_moe_experts"):
+        assert result["router_grad"] > 0
+    if CONFIGS[name].get("moe_aux_loss_coeff"):
+        assert result["aux"] >= 0.05 * 0.999  # the balancing loss took part (>= coeff)
+
+
+def test_build_refuses_what_megatron_core_cannot_run():
+    assert mcore_unsupported(GPTConfig(**SMALL)) == []
+    with pytest.raises(ValueError, match="apply_layernorm_1p"):
+        build_mcore_gpt(GPTConfig(**SMALL, apply_layernorm_1p=True))
+    with pytest.raises(ValueError, match="moe_layer_freq"):
+        build_mcore_gpt(GPTConfig(**SMALL, num_moe_experts=2, moe_layer_freq=[0, 1]))
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="needs CUDA.*drop --use-mcore-models"):
+            build_mcore_gpt(GPTConfig(**SMALL))
