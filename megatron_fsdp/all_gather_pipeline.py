@@ -22,6 +22,8 @@ from .param_and_grad_buffer import ParameterGroup
 
 class AllGatherPipeline:
     def __init__(self) -> None:
+        self.timeout = None
+        """The owning model's collective timeout (collectives: [Note: collective timeouts])."""
         # In-flight gathers: the handle plus the source tensor, which must outlive it.
         self._pending: dict[ParameterGroup, tuple[Optional[collectives.Handle], torch.Tensor]] = {}
 
@@ -35,7 +37,9 @@ class AllGatherPipeline:
             bucket = buf.allocate_bucket()
             # A replicated buffer gathers into itself, from its own shard.
             source = buf.data if buf.is_distributed else buf.shard
-            work = collectives.all_gather(bucket, source, g.dp.shard_group, async_op=async_op, label=g.label)
+            work = collectives.all_gather(
+                bucket, source, g.dp.shard_group, async_op=async_op, label=g.label, timeout=self.timeout
+            )
             if async_op:
                 buf.status = BucketStatus.COMMUNICATING
                 self._pending[g] = (work, source)
@@ -76,7 +80,10 @@ class AllGatherPipeline:
         main-weight pieces (cast to the compute dtype on the way)."""
         for g in groups:
             piece = g.main_weights.data.to(g.model_weights.dtype)  # a copy: input must not alias output
-            collectives.all_gather(g.model_weights.data, piece, g.dp.outer_group, async_op=False, label=f"outer:{g.label}")
+            collectives.all_gather(
+                g.model_weights.data, piece, g.dp.outer_group, async_op=False, label=f"outer:{g.label}",
+                timeout=self.timeout,
+            )
 
     def wait_all(self) -> None:
         self.wait(list(self._pending))

@@ -28,6 +28,8 @@ from typing import Optional
 
 import torch
 
+from .inflight import check_release
+
 
 @dataclasses.dataclass
 class BufferAccounting:
@@ -97,6 +99,7 @@ class StorageResizeAllocator:
         return tensor
 
     def release(self, tensor: torch.Tensor) -> None:
+        check_release(tensor)
         if is_allocated(tensor):
             self.accounting.on_free(_nbytes(tensor))
             tensor.untyped_storage().resize_(0)
@@ -197,6 +200,7 @@ class BufferPool(StorageResizeAllocator):
         return tensor
 
     def release(self, tensor: torch.Tensor) -> None:
+        check_release(tensor)
         lease = _lease(tensor)
         match lease.kind if lease is not None else None:
             case _Kind.SLOT:

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from . import p2p_transport
+from . import inflight, p2p_transport
 
 
 @dataclasses.dataclass
@@ -68,14 +68,47 @@ class CollectiveError(RuntimeError):
     """A collective failed or timed out: usually a peer rank died or stalled."""
 
 
-_timeout: Optional[datetime.timedelta] = None
+# [Note: collective timeouts]
+# A timeout belongs to the model that issues the collective
+# (``DistributedDataParallelConfig.collective_timeout_s``): its pipelines pass it to
+# every call, and two models in one process keep their own. How it is enforced
+# depends on where the tensors live:
+# * CPU tensors (gloo): ``Work.wait(timeout=...)`` blocks the host for at most that
+#   long; a stalled peer surfaces as ``CollectiveError`` naming the collective.
+# * Device tensors (NCCL): ``Work.wait()`` only makes the current stream wait for the
+#   collective and returns at once; ``wait(timeout=...)`` would instead block the
+#   host until the collective completes (a host sync on every prefetch and gradient
+#   wait), its "timed out" branch could never fire, and a timed-out NCCL
+#   communicator cannot be recovered anyway. So on devices the wait never takes a
+#   timeout: the process group's own timeout applies, enforced by its watchdog
+#   (``init_process_group(timeout=...)`` or ``new_group(timeout=...)``; set
+#   ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``, the default, to abort on it).
+
+_default_timeout: Optional[datetime.timedelta] = None
+
+
+def as_timeout(seconds: Optional[float]) -> Optional[datetime.timedelta]:
+    if seconds is None:
+        return None
+    if seconds <= 0:
+        raise ValueError(f"collective_timeout_s={seconds} must be positive (or None for the process group's timeout)")
+    return datetime.timedelta(seconds=seconds)
 
 
 def set_collective_timeout(seconds: Optional[float]) -> None:
-    """How long a collective may block before it fails with ``CollectiveError``
-    (``None``: the process group's own timeout). Process-wide."""
-    global _timeout
-    _timeout = None if seconds is None else datetime.timedelta(seconds=seconds)
+    """Process-wide fallback for collectives issued without a timeout of their own
+    (``None``: the process group's). Models carry theirs in
+    ``DistributedDataParallelConfig.collective_timeout_s``; prefer that."""
+    global _default_timeout
+    _default_timeout = as_timeout(seconds)
+
+
+def wait_work(work, timeout: Optional[datetime.timedelta], *, on_device: bool) -> None:
+    """Wait for one transport operation (see [Note: collective timeouts])."""
+    if on_device or timeout is None:
+        work.wait()
+    elif not work.wait(timeout=timeout):
+        raise TimeoutError(f"no completion within {timeout.total_seconds():g}s")
 
 
 @dataclasses.dataclass
@@ -91,6 +124,10 @@ class Handle:
     label: str
     group: dist.ProcessGroup
     finish: Optional[Callable[[], None]] = None
+    timeout: Optional[datetime.timedelta] = None
+    """The issuing model's limit (``None``: the process group's); CPU tensors only."""
+    on_device: bool = False
+    """The tensors live on an accelerator: never a host-blocking timed wait."""
 
     def is_completed(self) -> bool:
         return all(work.is_completed() for work in self.works)
@@ -98,37 +135,48 @@ class Handle:
     def wait(self) -> None:
         try:
             for work in self.works:
-                if _timeout is None:
-                    work.wait()
-                elif not work.wait(timeout=_timeout):
-                    raise TimeoutError(f"no completion within {_timeout.total_seconds():g}s")
+                wait_work(work, self.timeout, on_device=self.on_device)
         except Exception as exc:  # a dead peer surfaces as a gloo/NCCL RuntimeError
-            raise _error(self.kind, self.label, self.group, exc) from exc
+            raise _error(self.kind, self.label, self.group, exc, self.timeout) from exc
+        finally:
+            inflight.forget(self)
         self.works = []
         if self.finish is not None:
             finish, self.finish = self.finish, None
             finish()
 
 
-def _error(kind: str, label: str, group: dist.ProcessGroup, exc: BaseException) -> CollectiveError:
-    timeout = f"{_timeout.total_seconds():g}s" if _timeout is not None else "the process group's timeout"
+def _error(
+    kind: str, label: str, group: dist.ProcessGroup, exc: BaseException, timeout: Optional[datetime.timedelta]
+) -> CollectiveError:
+    limit = f"{timeout.total_seconds():g}s" if timeout is not None else "the process group's timeout"
     return CollectiveError(
         f"megatron_fsdp: {kind} '{label}' over {dist.get_world_size(group)} ranks failed on rank "
         f"{dist.get_rank()}: {exc}. A peer rank probably died or stalled; check its log. "
-        f"(Blocking limit: {timeout}; set DistributedDataParallelConfig.collective_timeout_s.)"
+        f"(Blocking limit: {limit}; set DistributedDataParallelConfig.collective_timeout_s.)"
     )
 
 
-def _issue(kind: str, label: str, group: dist.ProcessGroup, launch, async_op: bool) -> Optional[Handle]:
+def _issue(
+    kind: str,
+    label: str,
+    group: dist.ProcessGroup,
+    launch,
+    async_op: bool,
+    tensors: tuple[torch.Tensor, ...],
+    timeout: Optional[datetime.timedelta],
+) -> Optional[Handle]:
     """Launch asynchronously always, so that a synchronous call also waits with the
     timeout and fails with a named error instead of hanging. ``launch`` returns a
     ``Work`` or a (works, finish) pair from a point-to-point transport."""
+    timeout = timeout if timeout is not None else _default_timeout
     try:
         launched = launch()
         works, finish = launched if isinstance(launched, tuple) else ([launched], None)
-        handle = Handle(works, kind, label, group, finish)
+        handle = Handle(works, kind, label, group, finish, timeout=timeout, on_device=tensors[0].device.type != "cpu")
     except Exception as exc:
-        raise _error(kind, label, group, exc) from exc
+        raise _error(kind, label, group, exc, timeout) from exc
+    inflight.register(handle, f"{kind}:{label}", tensors)
     if async_op:
         return handle
     handle.wait()
@@ -136,7 +184,13 @@ def _issue(kind: str, label: str, group: dist.ProcessGroup, launch, async_op: bo
 
 
 def all_gather(
-    output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool, label: str = ""
+    output: torch.Tensor,
+    shard: torch.Tensor,
+    group: dist.ProcessGroup,
+    *,
+    async_op: bool,
+    label: str = "",
+    timeout: Optional[datetime.timedelta] = None,
 ) -> Optional[Handle]:
     """Gather equal shards into ``output`` (flat, ``group.size() * shard.numel()``).
     ``shard`` may be this rank's own slice of ``output`` (an in-place gather)."""
@@ -148,7 +202,7 @@ def all_gather(
             if _aliases(shard, output):
                 shard = shard.clone()  # NCCL/gloo collectives need a distinct input
             launch = lambda: _all_gather_flat(output, shard, group=group, async_op=True)  # noqa: E731
-        return _issue("all_gather", label, group, launch, async_op)
+        return _issue("all_gather", label, group, launch, async_op, (output, shard), timeout)
 
 
 def reduce_scatter(
@@ -159,6 +213,7 @@ def reduce_scatter(
     op: dist.ReduceOp.RedOpType,
     async_op: bool,
     label: str = "",
+    timeout: Optional[datetime.timedelta] = None,
 ) -> Optional[Handle]:
     """Reduce ``full`` across the group; this rank's shard lands in ``output``
     (which may be this rank's own slice of ``full``)."""
@@ -168,7 +223,7 @@ def reduce_scatter(
             launch = lambda: p2p_transport.reduce_scatter(output, full, group, op)  # noqa: E731
         else:
             launch = lambda: _reduce_scatter_flat(output, full, op=op, group=group, async_op=True)  # noqa: E731
-        return _issue("reduce_scatter", label, group, launch, async_op)
+        return _issue("reduce_scatter", label, group, launch, async_op, (full, output), timeout)
 
 
 def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -176,16 +231,29 @@ def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def all_reduce(
-    tensor: torch.Tensor, group: dist.ProcessGroup, *, op: dist.ReduceOp.RedOpType, async_op: bool, label: str = ""
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup,
+    *,
+    op: dist.ReduceOp.RedOpType,
+    async_op: bool,
+    label: str = "",
+    timeout: Optional[datetime.timedelta] = None,
 ) -> Optional[Handle]:
     _record("all_reduce", tensor, label)
     with record_function(f"megatron_fsdp::all_reduce:{label}"):
-        return _issue("all_reduce", label, group, lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True), async_op)
+        launch = lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True)  # noqa: E731
+        return _issue("all_reduce", label, group, launch, async_op, (tensor,), timeout)
 
 
-def broadcast(tensor: torch.Tensor, src_group_rank: int, group: dist.ProcessGroup, *, label: str = "") -> None:
+def broadcast(
+    tensor: torch.Tensor,
+    src_group_rank: int,
+    group: dist.ProcessGroup,
+    *,
+    label: str = "",
+    timeout: Optional[datetime.timedelta] = None,
+) -> None:
     _record("broadcast", tensor, label)
     with record_function(f"megatron_fsdp::broadcast:{label}"):
-        _issue(
-            "broadcast", label, group, lambda: dist.broadcast(tensor, group=group, group_src=src_group_rank, async_op=True), False
-        )
+        launch = lambda: dist.broadcast(tensor, group=group, group_src=src_group_rank, async_op=True)  # noqa: E731
+        _issue("broadcast", label, group, launch, False, (tensor,), timeout)

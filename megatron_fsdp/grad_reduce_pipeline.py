@@ -92,6 +92,8 @@ class GradReducePipeline:
         self._views: dict[nn.Parameter, torch.Tensor] = {}
         self.nonfinite = NonFiniteGradTracker()
         """check_for_nan: flags noted on the device per reduction, read once per step."""
+        self.timeout = None
+        """The owning model's collective timeout (collectives: [Note: collective timeouts])."""
 
     # -- gradients arrive ----------------------------------------------------------
     def install_grad_views(self, views: dict[nn.Parameter, torch.Tensor]) -> None:
@@ -208,7 +210,9 @@ class GradReducePipeline:
 
         if strategy is ShardingStrategy.NO_SHARD:
             output = source
-            work = collectives.all_reduce(source, group.dp.shard_group, op=op, async_op=async_op, label=group.label)
+            work = collectives.all_reduce(
+                source, group.dp.shard_group, op=op, async_op=async_op, label=group.label, timeout=self.timeout
+            )
         else:
             if source is main.data:
                 # ZeRO-1 without a wire dtype: reduce-scatter in place into this rank's
@@ -222,7 +226,7 @@ class GradReducePipeline:
                 output = self.allocator.new(group.layout.shard_numel, comm_dtype, main.device)
                 temps.append(output)
             work = collectives.reduce_scatter(
-                output, source, group.dp.shard_group, op=op, async_op=async_op, label=group.label
+                output, source, group.dp.shard_group, op=op, async_op=async_op, label=group.label, timeout=self.timeout
             )
         finalize = self._finalizer(group, output, temps)
         if async_op:
@@ -291,10 +295,14 @@ class GradReducePipeline:
             if group.hfsdp and group.strategy.shards_optimizer:
                 piece = main.data.numel() // group.dp.outer_size
                 output = main.data[group.dp.outer_rank * piece : (group.dp.outer_rank + 1) * piece]
-                works.append(collectives.reduce_scatter(output, main.data, outer, op=self._op(), async_op=True, label=label))
+                works.append(collectives.reduce_scatter(
+                    output, main.data, outer, op=self._op(), async_op=True, label=label, timeout=self.timeout
+                ))
             else:
                 target = main.data if group.strategy is ShardingStrategy.NO_SHARD else main.shard
-                works.append(collectives.all_reduce(target, outer, op=self._op(), async_op=True, label=label))
+                works.append(collectives.all_reduce(
+                    target, outer, op=self._op(), async_op=True, label=label, timeout=self.timeout
+                ))
         for work in works:
             work.wait()
 

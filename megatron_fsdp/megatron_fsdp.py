@@ -92,8 +92,6 @@ class MegatronFSDP(nn.Module):
         self.report_nan_in_param_grads = report_nan_in_param_grad
         self.last_nan_report: list[str] = []
         self._check_supported()
-        if self.ddp_config.collective_timeout_s is not None:
-            collectives.set_collective_timeout(self.ddp_config.collective_timeout_s)
         _check_module(module, self.device, allow_meta=init_model_with_meta_device)
         self.module = module
 
@@ -110,6 +108,9 @@ class MegatronFSDP(nn.Module):
             options=self._grad_options(),
             allocator=buffer.allocator,
         )
+        # Per model, never process-wide (collectives: [Note: collective timeouts]).
+        timeout = collectives.as_timeout(self.ddp_config.collective_timeout_s)
+        self.all_gather_pipeline.timeout = self.grad_reduce_pipeline.timeout = timeout
         self.grad_reduce_pipeline.install_grad_views(
             {g.params[i]: v for g in buffer.grad_groups for i in range(len(g.params)) if (v := buffer.grad_view(g, i)) is not None}
         )

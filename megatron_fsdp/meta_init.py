@@ -42,6 +42,25 @@ def _materialize_in_place(param: nn.Parameter, device: torch.device) -> None:
     restore_marks(param, marked)
 
 
+def _resets_buffers(module: nn.Module) -> bool:
+    return callable(getattr(module, "reset_buffers", None))
+
+
+def _check_buffers_written(name: str, module: nn.Module, fresh: dict) -> None:
+    """A materialised buffer starts as uninitialised memory (on CUDA, stale bytes from
+    the caching allocator): the module's own init must write or replace it. An
+    untouched tensor keeps its version counter."""
+    for n, (tensor, version) in fresh.items():
+        if module._buffers.get(n) is tensor and tensor._version == version:
+            where = f"{name}.{n}" if name else n
+            raise ValueError(
+                f"buffer {where!r} of {type(module).__name__} was built on the meta device and neither "
+                "reset_parameters() nor reset_buffers() initialised it, so it would hold uninitialised memory; "
+                f"give {type(module).__name__} a reset_buffers() (or have reset_parameters() write it), "
+                "or build the module on a real device"
+            )
+
+
 @torch.no_grad()
 def materialize_meta_module(module: nn.Module, buffer: ParamAndGradBuffer, device: torch.device) -> int:
     """Materialise every meta parameter/buffer of ``module``; returns the peak bytes
@@ -54,7 +73,7 @@ def materialize_meta_module(module: nn.Module, buffer: ParamAndGradBuffer, devic
         meta_buffers = [n for n, b in sub.named_buffers(recurse=False) if b.device.type == "meta"]
         if not meta_params and not meta_buffers:
             continue
-        if not callable(getattr(sub, "reset_parameters", None)):
+        if not callable(getattr(sub, "reset_parameters", None)) and (meta_params or not _resets_buffers(sub)):
             raise ValueError(
                 f"module {name or '<root>'!r} ({type(sub).__name__}) has tensors on the meta device but no "
                 "reset_parameters(); implement reset_parameters() for it, or build it on a real device"
@@ -69,9 +88,14 @@ def materialize_meta_module(module: nn.Module, buffer: ParamAndGradBuffer, devic
             _materialize_in_place(p, device)
         for n in meta_buffers:
             sub._buffers[n] = torch.empty_like(sub._buffers[n], device=device)
+        fresh = {n: (sub._buffers[n], sub._buffers[n]._version) for n in meta_buffers}
         scratch = _nbytes(meta_params + earlier)
         accounting.on_alloc(scratch)
-        sub.reset_parameters()
+        if callable(getattr(sub, "reset_parameters", None)):
+            sub.reset_parameters()
+        if _resets_buffers(sub):
+            sub.reset_buffers()
+        _check_buffers_written(name, sub, fresh)
         for p in meta_params:
             group, index = buffer.slot(p)
             buffer.store_param_value(group, index, p.detach())

@@ -23,7 +23,6 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 
-from . import collectives
 from .layout import flat_range_boxes
 
 if TYPE_CHECKING:
@@ -183,49 +182,26 @@ def _local_source(model: "MegatronFSDP", key: str, own: torch.Tensor, value: tor
     return value.reshape(-1)[start : start + local.numel()]
 
 
-@torch.no_grad()
-def get_full_state_dict(model: "MegatronFSDP", *, dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
-    """Gather every parameter's main weights (and the module's buffers) as plain,
-    full tensors on every rank, keyed like the unwrapped module. Collective: every
-    rank of the shard group must call it."""
-    buffer = model.param_and_grad_buffer
-    model.all_gather_pipeline.wait_all()
-    full: dict[str, torch.Tensor] = {}
-    for group in buffer.groups:
-        flat = _gather_main_weights(group)
-        for index, (name, param) in enumerate(zip(group.names, group.params)):
-            start, end = group.layout.item_range(index)
-            value = flat[start:end].view(param.shape).clone()
-            full[name] = value if dtype is None else value.to(dtype)
-    out = {name: full[name] for name in buffer.param_names.values()}
-    for name, value in _persistent_buffers(model.module):
-        out[name] = value.detach().clone()
-    return out
+def get_full_state_dict(
+    model: "MegatronFSDP",
+    *,
+    dtype: Optional[torch.dtype] = None,
+    device: "torch.device | str" = "cpu",
+    rank0_only: bool = False,
+) -> dict[str, torch.Tensor]:
+    """Every parameter's full main weights (and the module's buffers) as plain
+    tensors keyed like the unwrapped module, gathered one group at a time into
+    ``device`` (host memory by default); ``rank0_only``: the other ranks get ``{}``.
+    Collective: every rank of the shard group must call it (full_state_dict.py)."""
+    from .full_state_dict import gather_full_state_dict
 
-
-def _gather_main_weights(group) -> torch.Tensor:
-    """The unsharded main weights of one group: HFSDP pieces are first gathered
-    across the outer group into dp-shard shards, shards across the shard group."""
-    source = group.main_weight_source
-    if not source.is_distributed:
-        return source.data
-    flat = source.data
-    label = f"export:{group.label}"
-    if group.hfsdp and source is group.main_weights:
-        shard = torch.empty(group.layout.shard_numel, dtype=source.dtype, device=source.device)
-        collectives.all_gather(shard, flat, group.dp.outer_group, async_op=False, label=label)
-        flat = shard
-    if group.layout.world_size > 1:
-        full = torch.empty(group.layout.padded_numel, dtype=source.dtype, device=source.device)
-        collectives.all_gather(full, flat, group.dp.shard_group, async_op=False, label=label)
-        flat = full
-    return flat
+    return gather_full_state_dict(model, dtype=dtype, device=device, rank0_only=rank0_only)
 
 
 def save_full_state_dict(model: "MegatronFSDP", path: str, *, dtype: Optional[torch.dtype] = None) -> None:
     """Export: rank 0 writes a plain ``torch.save`` state dict loadable by the
     unwrapped model class. Collective."""
-    full = get_full_state_dict(model, dtype=dtype)
+    full = get_full_state_dict(model, dtype=dtype, rank0_only=True)
     if torch.distributed.get_rank() == 0:
         torch.save(full, path)
     torch.distributed.barrier()
