@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import collectives
+from . import collectives, te_compat
 from .allocator import StorageResizeAllocator
 from .enums import ShardingStrategy
 from .mixed_precision import MixedPrecisionPolicy
@@ -99,7 +99,9 @@ class GradReducePipeline:
     def install_grad_views(self, views: dict[nn.Parameter, torch.Tensor]) -> None:
         """Let autograd accumulate straight into the replicated main-grad buffer
         (``param.grad`` is a view of it), saving an allocation and a copy per
-        parameter per backward."""
+        parameter per backward. Not for TE's fused-wgrad weights: autograd would add
+        TE's dummy gradient into the view."""
+        views = {p: v for p, v in views.items() if not hasattr(p, "grad_added_to_main_grad")}
         self._views = views
         for param, view in views.items():
             param.grad = view
@@ -107,7 +109,7 @@ class GradReducePipeline:
     @torch.no_grad()
     def accumulate(self, group: ParameterGroup, index: int, param: nn.Parameter) -> bool:
         """Take ``param.grad`` into the group's buffer; True once the group is complete."""
-        grad = param.grad
+        grad = te_compat.take_grad(param, param.grad)  # TE's fused main_grad, if it wrote one
         state = self._state[group]
         if group.strategy.shards_grads:
             param.grad = None

@@ -14,6 +14,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import collectives
 from . import device as device_mod
+from . import te_compat
 from . import state_dict as state_dict_mod
 from .all_gather_pipeline import AllGatherPipeline
 from .config import DistributedDataParallelConfig
@@ -93,7 +94,9 @@ class MegatronFSDP(nn.Module):
         self.last_nan_report: list[str] = []
         self._check_supported()
         _check_module(module, self.device, allow_meta=init_model_with_meta_device)
+        te_compat.check_supported(module)  # before any buffer: FP8 parameters cannot be repointed
         self.module = module
+        self._te_hooks = te_compat.prepare_fused_wgrad(module, self.mp_policy.grads_dtype_for)
 
         units = self._find_units(module, resolve_unit_classes(fsdp_unit_modules), enable_fine_grained_param_gather_hook)
         units, self.param_and_grad_buffer = self._build_buffer(module, units, disable_bucketing)
