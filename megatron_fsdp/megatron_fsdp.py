@@ -14,7 +14,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import collectives
 from . import device as device_mod
-from . import te_compat
+from . import streams, te_compat
 from . import state_dict as state_dict_mod
 from .all_gather_pipeline import AllGatherPipeline
 from .config import DistributedDataParallelConfig
@@ -95,6 +95,7 @@ class MegatronFSDP(nn.Module):
         self._check_supported()
         _check_module(module, self.device, allow_meta=init_model_with_meta_device)
         te_compat.check_supported(module)  # before any buffer: FP8 parameters cannot be repointed
+        streams.check_torch_for_device(self.device)
         self.module = module
         self._te_hooks = te_compat.prepare_fused_wgrad(module, self.mp_policy.grads_dtype_for)
 
