@@ -243,7 +243,7 @@ def _load_extra_state(path: Path) -> dict:
     for rank in (dist.get_rank(), 0):
         file = path / EXTRA_STATE_FILE.format(rank=rank)
         if file.exists():
-            return torch.load(file, weights_only=False)
+            return torch.load(file, map_location="cpu", weights_only=False)  # never onto the saving GPU
     return {}
 
 
