@@ -45,6 +45,7 @@ import torch
 import torch.nn as nn
 
 from .enums import ShardingStrategy
+from .models import presets as model_presets
 from .models.gpt import GPT, GPTConfig, TransformerBlock
 from .units import NO_SHARD_UNIT_SIZE, plan_merge
 
@@ -68,10 +69,20 @@ PRESETS: dict[str, dict] = {
 }
 
 
+def model_names() -> list[str]:
+    """This module's GPT-shaped sizes plus the dense presets of ``models.presets``."""
+    return list(PRESETS) + [n for n, kw in model_presets.PRESETS.items() if not kw.get("num_moe_experts")]
+
+
 def gpt_config(name: str) -> GPTConfig:
-    if name not in PRESETS:
-        raise ValueError(f"--model {name!r} is not a preset; use one of {sorted(PRESETS)}")
-    return GPTConfig(**PRESETS[name])
+    if name in PRESETS:
+        return GPTConfig(**PRESETS[name])
+    if name in model_names():
+        return model_presets.config(name)
+    raise ValueError(
+        f"--model {name!r} is not a preset; use one of {model_names()} (mixture-of-experts presets are not "
+        "planned: their experts shard over the expert data-parallel group)"
+    )
 
 
 def build_meta_gpt(name: str, dtype: torch.dtype) -> nn.Module:
@@ -294,7 +305,7 @@ def format_plan(plan: Plan) -> str:
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m megatron_fsdp.plan", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="8b", help=f"preset: {', '.join(PRESETS)}")
+    parser.add_argument("--model", default="8b", help=f"preset: {', '.join(model_names())}")
     parser.add_argument("--world", type=int, default=8, help="data-parallel ranks")
     parser.add_argument("--strategy", default="optim_grads_params", help="0-3, a strategy name, or 'all'")
     parser.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16"], help="compute dtype")

@@ -57,6 +57,12 @@ def test_fake_group_build_equals_plan(world, dtype, steps):
             assert measured["step_source"].startswith("step 3")
 
 
+def test_llama_shaped_model_equals_plan():
+    """Untied output layer, RoPE (no position table), RMSNorm, SwiGLU, GQA."""
+    records = run_plan("--model", "llama3-tiny", "--world", "1024", "--strategy", "all", "--check", "--steps", "3")
+    assert len(records) == 4 and all(r["mismatches"] == [] for r in records), [r["mismatches"] for r in records]
+
+
 def _theory_counts(plan) -> ParamCounts:
     units = [g for g in plan.groups if g.unit is not None]
     return ParamCounts(total=plan.params, root=sum(g.numel for g in plan.groups if g.unit is None),
