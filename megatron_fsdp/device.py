@@ -100,10 +100,13 @@ class HostSyncCounter:
             import warnings
 
             synchronize(self.device)
+            # Switching the mode on reports a sync of its own the first time in a
+            # process; that one belongs to no step, so it is swallowed here.
+            with warnings.catch_warnings(record=True):
+                torch.cuda.set_sync_debug_mode("warn")
             self._catcher = warnings.catch_warnings(record=True)
             self._caught = self._catcher.__enter__()
             warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
         return self
 
     def __exit__(self, *exc) -> None:
