@@ -117,3 +117,15 @@ class HostSyncCounter:
         syncs = [w for w in self._caught if "synchroniz" in str(w.message)]
         self.count = len(syncs)
         self.sites = sorted({f"{w.filename}:{w.lineno}" for w in syncs})
+
+
+def rng_state(device: torch.device):
+    """This process's RNG state of ``device`` (the CUDA generator), or None on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.get_rng_state(device)
+    return None
+
+
+def set_rng_state(state, device: torch.device) -> None:
+    if device.type == "cuda" and state is not None:
+        torch.cuda.set_rng_state(state, device)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import signal
 import sys
 import time
 
@@ -30,7 +31,8 @@ import torch.distributed as dist
 from megatron_fsdp import device as device_mod
 from megatron_fsdp.training import checkpointing
 from megatron_fsdp.training.arguments import ArgumentError, parse_args
-from megatron_fsdp.training.data import BatchLayout, build_datasets
+from megatron_fsdp.training.data import BatchLayout
+from megatron_fsdp.training.data_integration import build_sources
 from megatron_fsdp.training.logging_utils import (
     IntervalStats,
     MetricsRecorder,
@@ -39,7 +41,10 @@ from megatron_fsdp.training.logging_utils import (
     log_memory,
     log_validation,
     setup_logging,
+    validation_ppl,
 )
+from megatron_fsdp.training import tensorboard as dashboards_mod
+from megatron_fsdp.training.timers import Timers
 from megatron_fsdp.training.loss_scaler import LossScaler
 from megatron_fsdp.training.lr_schedule import LRSchedule
 from megatron_fsdp.training.model_setup import setup_model_and_optimizer
@@ -58,7 +63,7 @@ def initialize_distributed(args) -> torch.device:
     device = torch.device("cpu")
     if backend == "nccl":
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
+        device_mod.set_device(device)
     dist.init_process_group(backend, timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
     return device
 
@@ -76,7 +81,7 @@ def describe_run(args, device: torch.device, num_parameters: int) -> None:
                 dist.get_backend(), device.type, args.precision.value)
     logger.info(" > number of parameters: %d", num_parameters)
     logger.info("> data: %s (%s), global batch %d = micro batch %d x %d micro batches x %d ranks",
-                data, args.tokenizer.value, args.global_batch_size, args.micro_batch_size,
+                data, args.tokenizer_type, args.global_batch_size, args.micro_batch_size,
                 args.num_microbatches, args.data_parallel_size)
 
 
@@ -85,76 +90,173 @@ def checkpoint_extra_state(ctx: StepContext, state: TrainState) -> dict:
         "train_state": state.state_dict(),
         "lr_schedule": ctx.schedule.state_dict(),
         "loss_scaler": ctx.scaler.state_dict() if ctx.scaler is not None else None,
-        "rng": checkpointing.rng_state(),
+        "rng": checkpointing.rng_state(ctx.device),
     }
 
 
 def restore(args, ctx: StepContext, state: TrainState) -> None:
-    optimizer = None if args.no_load_optim else ctx.bundle.optimizer
+    """Megatron-LM's resume: weights always; optimizer unless --no-load-optim or
+    --finetune; progress, schedule and loss scale unless --finetune; RNG unless
+    --no-load-rng or --finetune."""
+    optimizer = None if (args.no_load_optim or args.finetune) else ctx.bundle.optimizer
     extra = checkpointing.load(args.load, ctx.bundle.model, optimizer, step=args.ckpt_step)
     if not extra:
+        return
+    if args.finetune:
+        logger.info("> --finetune: loaded the weights only; iteration, schedule and optimizer start fresh")
         return
     state.load_state_dict(extra["train_state"])
     ctx.schedule.load_state_dict(extra["lr_schedule"])
     if ctx.scaler is not None and extra.get("loss_scaler"):
         ctx.scaler.load_state_dict(extra["loss_scaler"])
     if not args.no_load_rng:
-        checkpointing.set_rng_state(extra["rng"])
+        checkpointing.set_rng_state(extra["rng"], ctx.device)
 
 
-def maybe_evaluate(args, ctx, state, valid_src, metrics) -> None:
+def maybe_evaluate(args, ctx, state, valid_src, metrics, dash) -> None:
     if valid_src is None or args.eval_iters == 0:
         return
     loss = evaluate(ctx, valid_src, args.eval_iters)
     log_validation(state.iteration, loss)
     metrics.validation.append((state.iteration, loss))
+    dashboards_mod.write_validation_scalars(dash, args, loss, validation_ppl(loss), state.iteration,
+                                            state.consumed_train_samples)
 
 
-def train(args, ctx: StepContext, state: TrainState, train_src, valid_src, metrics: MetricsRecorder) -> int:
-    """Run iterations until ``--train-iters`` (or ``--exit-interval``); returns the
-    iteration of the last checkpoint saved (0 if none)."""
+class ExitConditions:
+    """Megatron-LM's ways to stop early, each after saving: --exit-interval,
+    --exit-duration-in-mins and --exit-signal-handler (SIGTERM by default). The
+    duration and signal are per rank, so the decision is all-reduced: every rank
+    stops at the same iteration."""
+
+    def __init__(self, args, device: torch.device) -> None:
+        self.args = args
+        self.device = device
+        self.start = time.time()
+        self.signal_received = False
+        if args.exit_signal_handler:
+            signal.signal(signal.Signals[args.exit_signal], self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.signal_received = True
+
+    def reason(self, iteration: int) -> str | None:
+        args = self.args
+        if args.exit_interval and iteration % args.exit_interval == 0:
+            return f"--exit-interval {args.exit_interval}"
+        flags = torch.tensor([0, 0], dtype=torch.int32, device=self.device)
+        if args.exit_duration_in_mins is not None:
+            flags[0] = int((time.time() - self.start) / 60.0 > args.exit_duration_in_mins)
+        if args.exit_signal_handler:
+            flags[1] = int(self.signal_received)
+        if args.exit_duration_in_mins is None and not args.exit_signal_handler:
+            return None
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if flags[0]:
+            return f"--exit-duration-in-mins {args.exit_duration_in_mins}"
+        if flags[1]:
+            return f"signal {args.exit_signal} (--exit-signal-handler)"
+        return None
+
+
+class Saver:
+    """Synchronous or --async-save checkpoints into Megatron-LM's layout."""
+
+    def __init__(self, args, ctx: StepContext) -> None:
+        self.args, self.ctx = args, ctx
+        self.async_saver = checkpointing.AsyncSaver() if args.async_save else None
+        self.last_saved = 0
+
+    def save(self, state: TrainState) -> None:
+        bundle = self.ctx.bundle
+        extra = checkpoint_extra_state(self.ctx, state)
+        if self.async_saver is not None:
+            self.async_saver.save(self.args.save, state.iteration, bundle.model, bundle.optimizer, extra)
+        else:
+            checkpointing.save(self.args.save, state.iteration, bundle.model, bundle.optimizer, extra)
+        self.last_saved = state.iteration
+
+    def finalize(self) -> None:
+        if self.async_saver is not None:
+            self.async_saver.finalize()
+
+
+def log_iteration(args, ctx, state, result, stats, flops, dash) -> None:
+    throughput = None
+    if args.log_throughput:
+        throughput = flops * stats.iterations / max(stats.elapsed_s, 1e-9) / args.world_size / 1e12
+    logger.info(format_iteration_line(
+        iteration=state.iteration, train_iters=args.train_iters, consumed_samples=state.consumed_train_samples,
+        stats=stats, throughput=throughput, learning_rate=result.learning_rate,
+        global_batch_size=args.global_batch_size, loss_scale=result.loss_scale, grad_norm=result.grad_norm,
+        num_zeros=result.num_zeros, params_norm=result.params_norm))
+    first = stats.iterations == 1 and state.iteration % args.log_interval != 0
+    if args.log_timers_to_tensorboard and not first:
+        dash.add_scalar("iteration-time", stats.elapsed_s / max(stats.iterations, 1), state.iteration)
+        if throughput is not None:
+            dash.add_scalar("throughput", throughput, state.iteration)
+    names = ctx.timers.names_to_log()
+    if args.log_timers_to_tensorboard and names:
+        for name, ms in ctx.timers.elapsed_ms(names, args.log_interval, reset=False).items():
+            dash.add_scalar(name + "-time", ms, state.iteration)
+    report = ctx.timers.log_string(names, normalizer=args.log_interval, reset=not first)
+    if report:
+        logger.info(report)
+
+
+def train(args, ctx: StepContext, state: TrainState, train_src, valid_src, metrics: MetricsRecorder,
+          dash) -> Saver:
+    """Run iterations until the budget (or an exit condition); returns the saver."""
     flops = flops_per_iteration(args, ctx.bundle.num_parameters)
     stats = IntervalStats()
-    memory_logged = False
-    last_saved = 0
+    memory_reports = 0
+    first_iteration = state.iteration + 1
+    saver = Saver(args, ctx)
+    exits = ExitConditions(args, ctx.device)
     while state.iteration < args.train_iters:
         device_mod.synchronize(ctx.device)
         start = time.perf_counter()
         result = train_step(ctx, state, train_src)
         device_mod.synchronize(ctx.device)
-        elapsed = time.perf_counter() - start
+        stats.add(result, time.perf_counter() - start)
         state.floating_point_operations_so_far += flops
-        stats.add(result, elapsed)
         metrics.record(state.iteration, result)
-
-        if state.iteration % args.log_interval == 0:
-            tflops = flops * stats.iterations / max(stats.elapsed_s, 1e-9) / args.world_size / 1e12
-            logger.info(format_iteration_line(
-                iteration=state.iteration, train_iters=args.train_iters,
-                consumed_samples=state.consumed_train_samples, stats=stats, tflops_per_gpu=tflops,
-                learning_rate=result.learning_rate, global_batch_size=args.global_batch_size,
-                loss_scale=result.loss_scale))
-            stats = IntervalStats()
-        # Megatron-LM reports memory once, after the first log interval (or at the
-        # end of a run shorter than one interval).
-        if not memory_logged and (state.iteration % args.log_interval == 0 or state.iteration == args.train_iters):
-            metrics.memory = log_memory(ctx.bundle.model, ctx.device, state.iteration)
-            memory_logged = True
-
+        if dash.active and state.iteration % args.tensorboard_log_interval == 0:
+            dashboards_mod.write_training_scalars(
+                dash, args, iteration=state.iteration, consumed_samples=state.consumed_train_samples,
+                lm_loss=None if result.skipped else result.lm_loss, learning_rate=result.learning_rate,
+                loss_scale=result.loss_scale, grad_norm=result.grad_norm, num_zeros=result.num_zeros,
+                params_norm=result.params_norm)
+        # Megatron-LM logs the first iteration of a run (without resetting the
+        # interval sums) and then every --log-interval iterations.
+        is_first = state.iteration == first_iteration
+        if state.iteration % args.log_interval == 0 or is_first:
+            log_iteration(args, ctx, state, result, stats, flops, dash)
+            if state.iteration % args.log_interval == 0:
+                stats = IntervalStats()
+            # Memory after the first logged iteration and again after the next one
+            # (which includes the optimizer state), as Megatron-LM reports it.
+            if memory_reports < 2:
+                snaps = log_memory(ctx.bundle.model, ctx.device, state.iteration)
+                metrics.memory = snaps
+                memory_reports += 1
+                if args.log_memory_to_tensorboard:
+                    dashboards_mod.write_memory_scalars(dash, snaps[0], state.iteration)
         if args.eval_iters and state.iteration % args.eval_interval == 0:
-            maybe_evaluate(args, ctx, state, valid_src, metrics)
+            maybe_evaluate(args, ctx, state, valid_src, metrics, dash)
         if args.save and state.iteration % args.save_interval == 0:
-            checkpointing.save(args.save, state.iteration, ctx.bundle.model, ctx.bundle.optimizer,
-                               checkpoint_extra_state(ctx, state))
-            last_saved = state.iteration
-        if args.exit_interval and state.iteration % args.exit_interval == 0:
-            logger.info("exiting program at iteration %d (--exit-interval %d)", state.iteration, args.exit_interval)
+            saver.save(state)
+        reason = exits.reason(state.iteration)
+        if reason:
+            if args.save and saver.last_saved != state.iteration:
+                saver.save(state)
+            logger.info("exiting program at iteration %d (%s)", state.iteration, reason)
             break
-    return last_saved
+    return saver
 
 
 def run(args, device: torch.device) -> int:
-    train_src, valid_src = build_datasets(args)
+    train_src, valid_src = build_sources(args)
     bundle = setup_model_and_optimizer(args, device)
     describe_run(args, device, bundle.num_parameters)
     layout = BatchLayout(micro_batch_size=args.micro_batch_size, num_microbatches=args.num_microbatches,
@@ -162,7 +264,9 @@ def run(args, device: torch.device) -> int:
     ctx = StepContext(bundle=bundle, schedule=LRSchedule.from_args(args), scaler=LossScaler.from_args(args),
                       layout=layout, device=device, clip_grad=args.clip_grad,
                       per_token_loss=args.calculate_per_token_loss,
-                      check_for_nan=args.check_for_nan_in_loss_and_grad)
+                      check_for_nan=args.check_for_nan_in_loss_and_grad,
+                      timers=Timers(args.timing_log_level, args.timing_log_option, device),
+                      log_params_norm=args.log_params_norm, log_num_zeros=args.log_num_zeros_in_grad)
     state = TrainState()
     if args.load:
         restore(args, ctx, state)
@@ -171,14 +275,16 @@ def run(args, device: torch.device) -> int:
                         state.consumed_train_samples)
 
     metrics = MetricsRecorder()
+    dash = dashboards_mod.build_dashboards(args, dist.get_rank())
     start_iteration = state.iteration
-    last_saved = train(args, ctx, state, train_src, valid_src, metrics)
+    saver = train(args, ctx, state, train_src, valid_src, metrics, dash)
 
-    if args.save and state.iteration > start_iteration and last_saved != state.iteration:
-        checkpointing.save(args.save, state.iteration, bundle.model, bundle.optimizer,
-                           checkpoint_extra_state(ctx, state))
+    if args.save and state.iteration > start_iteration and saver.last_saved != state.iteration:
+        saver.save(state)
+    saver.finalize()
     if args.eval_iters and state.iteration % args.eval_interval != 0 and state.iteration > start_iteration:
-        maybe_evaluate(args, ctx, state, valid_src, metrics)
+        maybe_evaluate(args, ctx, state, valid_src, metrics, dash)
+    dash.close()
     if dist.get_rank() == 0:
         write_outputs(args, metrics)
     # Leave together, with no collective in flight: a ZeRO-1/2 step ends with an
@@ -202,7 +308,7 @@ def write_outputs(args, metrics: MetricsRecorder) -> None:
 
 
 def _jsonable(value) -> bool:
-    return value is None or isinstance(value, (bool, int, float, str, list))
+    return value is None or isinstance(value, (bool, int, float, str, list)) and not isinstance(value, dict)
 
 
 def main(argv=None) -> int:
@@ -213,7 +319,9 @@ def main(argv=None) -> int:
             print(f"pretrain_gpt.py: error: {exc}", file=sys.stderr)
         return 2
     device = initialize_distributed(args)
-    setup_logging(dist.get_rank())
+    setup_logging(dist.get_rank(), args.logging_level)
+    for warning in args.flag_warnings if dist.get_rank() == 0 else ():
+        logger.warning("WARNING: %s", warning)
     try:
         return run(args, device)
     finally:

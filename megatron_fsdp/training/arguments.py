@@ -1,12 +1,19 @@
-"""Flags of ``scripts/pretrain_gpt.py``: Megatron-LM's names and defaults, a YAML
-config file whose keys are the same flags, and Megatron-LM's validation rules.
+"""Flags of ``scripts/pretrain_gpt.py``: Megatron-LM's parser rebuilt from the
+argument table (``flag_table.py``), YAML config files, and the entry point that
+parses, validates and derives.
 
 [Note: config precedence] ``--config FILE.yaml`` is expanded into command-line
 tokens placed *before* the real command line, so argparse reads the file first and
 the user's flags override it; argparse also type-checks and choice-checks the
-file's values exactly like typed flags. Keys may be spelt like the flag
-(``data-parallel-sharding-strategy``) or like its destination
-(``data_parallel_sharding_strategy``); ``true``/``false`` set boolean flags.
+file's values exactly like typed flags. Two file forms are accepted:
+
+* plain: ``num-layers: 2`` (keys spelt like the flag, with or without ``--``, or
+  like its destination ``num_layers``);
+* Megatron-LM's functional-test recipe: a ``MODEL_ARGS`` mapping of ``--dashed-keys``
+  (``ENV_VARS``, ``TEST_TYPE``, ... are ignored), ``${VAR}`` expanded from the
+  environment, ``true`` meaning "pass the flag".
+
+Every unknown key of a file is reported in one message.
 
 Validation runs before ``torch.distributed`` starts (the world size comes from
 torchrun's ``WORLD_SIZE``, as in Megatron-LM), so a bad command fails in a second
@@ -16,63 +23,27 @@ with one message listing every problem and its fix.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import difflib
-import enum
 import os
+import re
 import sys
 from typing import Any, Optional, Sequence
 
-from ..enums import ShardingStrategy
+from .arg_types import BYTE_VOCAB_SIZE, ArgumentError, LRDecayStyle, Precision, TokenizerType  # noqa: F401 (re-exported)
+from .flag_table import FlagAction, FlagSpec, FlagStatus, FlagTable, load_flag_table
+from .validation import collect_problems, derive_fields, flag_policy
 
-DTYPE_CHOICES = ("fp32", "bf16", "fp16", "auto")
-STRATEGY_CHOICES = tuple(s.label for s in ShardingStrategy)
-OUTER_STRATEGY_CHOICES = (ShardingStrategy.NO_SHARD.label, ShardingStrategy.OPTIM.label)
-BYTE_VOCAB_SIZE = 256
-
-
-class ArgumentError(ValueError):
-    """A flag value or combination the script cannot run; the message names the
-    offending value and the fix."""
-
-
-class LRDecayStyle(enum.Enum):
-    """Shape of the learning rate after warmup (Megatron-LM's ``--lr-decay-style``)."""
-
-    CONSTANT = "constant"
-    LINEAR = "linear"
-    COSINE = "cosine"
-    INVERSE_SQUARE_ROOT = "inverse-square-root"
-
-
-class TokenizerType(enum.Enum):
-    """Tokenizers this script can build without downloading anything."""
-
-    BYTE = "ByteTokenizer"
-    """One token per UTF-8 byte (vocabulary 256): the embedded corpus needs no files."""
-    NULL = "NullTokenizer"
-    """Megatron-LM's placeholder tokenizer for ``--mock-data`` with ``--vocab-size``."""
-
-
-class Precision(enum.Enum):
-    """Dtype of the model (compute) weights."""
-
-    FP32 = "fp32"
-    BF16 = "bf16"
-    FP16 = "fp16"
-
-
-@dataclasses.dataclass(frozen=True)
-class _BoolFlag:
-    """The option strings that set one boolean destination to True / to False."""
-
-    on: Optional[str] = None
-    off: Optional[str] = None
+# Tokenizers of this launcher that Megatron-LM's --tokenizer-type choices lack.
+EXTRA_CHOICES = {"--tokenizer-type": tuple(t.value for t in TokenizerType)}
+# Top-level keys of a Megatron-LM functional-test recipe that are not flags.
+RECIPE_SECTIONS = ("MODEL_ARGS", "ENV_VARS", "TEST_TYPE", "METRICS", "LAUNCHER", "BEFORE_SCRIPT", "MODE",
+                   "SPEC", "ARGUMENTS", "TEST_CASES")
+_UNSET_ENV = re.compile(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?")
 
 
 class MegatronArgumentParser(argparse.ArgumentParser):
-    """``ArgumentParser`` whose errors suggest the closest known flag and name the
-    config file a bad value came from."""
+    """``ArgumentParser`` whose errors name the config file a bad value came from
+    and suggest the closest known flag when one is clearly meant."""
 
     config_source: Optional[str] = None
 
@@ -82,204 +53,155 @@ class MegatronArgumentParser(argparse.ArgumentParser):
             hints = []
             for token in message.split(":", 1)[1].split():
                 if token.startswith("--"):
-                    close = difflib.get_close_matches(token.split("=")[0], known, n=1)
-                    hints.append(f"{token} (did you mean {close[0]}?)" if close else token)
+                    close = suggest_flag(token.split("=")[0], known)
+                    hints.append(f"{token} (did you mean {close}?)" if close else token)
             if hints:
-                message = "unrecognized arguments: " + ", ".join(hints) + "; see --help for the accepted flags"
+                message = ("unrecognized arguments: " + ", ".join(hints) +
+                           "; neither this launcher nor Megatron-LM has such a flag (see --help)")
         if self.config_source:
             message = f"in config file {self.config_source}: {message}"
         # A short message instead of argparse's full usage dump, which would bury it.
         self.exit(2, f"{self.prog}: error: {message}\n(run with --help to list the accepted flags)\n")
 
 
-def build_parser() -> MegatronArgumentParser:
+def suggest_flag(name: str, known: Sequence[str]) -> Optional[str]:
+    """The one flag ``name`` is a near-miss of, or None: a hint is shown only when a
+    single candidate is close (a typo), never a guess among several."""
+    matches = difflib.get_close_matches(name, known, n=2, cutoff=0.85)
+    if not matches:
+        return None
+    if len(matches) == 2:
+        ratio = [difflib.SequenceMatcher(None, name, m).ratio() for m in matches]
+        if ratio[0] - ratio[1] < 0.05:
+            return None
+    return matches[0]
+
+
+def _help(spec: FlagSpec) -> str:
+    if spec.status is FlagStatus.UNLISTED:
+        return argparse.SUPPRESS  # 600+ Megatron-LM flags this launcher rejects: keep --help readable
+    prefix = {FlagStatus.NOOP: "[no effect here] ", FlagStatus.NOOP_ONLY: "[no effect here] ",
+              FlagStatus.REJECTED: "[rejected here] "}.get(spec.status, "")
+    if spec.supported:
+        prefix += f"[supported: {', '.join(spec.supported)}] "
+    return (prefix + spec.note).replace("%", "%%")
+
+
+def _add_flag(group, spec: FlagSpec) -> None:
+    kwargs: dict[str, Any] = dict(dest=spec.dest, help=_help(spec))
+    if spec.action is FlagAction.STORE_TRUE:
+        kwargs.update(action="store_true", default=spec.default)
+    elif spec.action is FlagAction.STORE_FALSE:
+        kwargs.update(action="store_false", default=spec.default)
+    elif spec.action is FlagAction.BOOLEAN_OPTIONAL:
+        kwargs.update(action=argparse.BooleanOptionalAction, default=spec.default)
+    else:
+        kwargs.update(type=spec.type or str, default=spec.default)
+        if spec.nargs:
+            kwargs["nargs"] = int(spec.nargs) if spec.nargs.isdigit() else spec.nargs
+        if spec.choices:
+            kwargs["choices"] = spec.choices + EXTRA_CHOICES.get(spec.flag, ())
+    group.add_argument(*spec.options, **kwargs)
+
+
+def build_parser(table: Optional[FlagTable] = None) -> MegatronArgumentParser:
+    table = table or load_flag_table()
     parser = MegatronArgumentParser(
         prog="pretrain_gpt.py",
-        description="Megatron-LM style GPT pretraining with megatron_fsdp (or PyTorch DDP for comparison).",
+        description="Megatron-LM style GPT pretraining with megatron_fsdp (or PyTorch DDP for comparison). "
+                    "Every Megatron-LM flag is recognised; see megatron_fsdp/training/flag_data/.",
         allow_abbrev=False,
     )
-    parser.add_argument("--config", default=None, help="YAML file whose keys are these flags; flags override it.")
-    _add_model_args(parser)
-    _add_training_args(parser)
-    _add_learning_rate_args(parser)
-    _add_mixed_precision_args(parser)
-    _add_distributed_args(parser)
-    _add_data_args(parser)
-    _add_checkpoint_args(parser)
-    _add_logging_args(parser)
+    groups: dict[str, Any] = {}
+    # Two destinations are shared by a Megatron-LM flag and a launcher flag
+    # (--no-check-for-nan-in-loss-and-grad / --check-for-nan-in-loss-and-grad): the
+    # launcher's default wins, so register the Megatron-LM one first.
+    for spec in sorted(table.specs, key=lambda s: (not s.megatron, s.flag)):
+        title = spec.group or "this launcher"
+        if title not in groups:
+            groups[title] = parser.add_argument_group(title)
+        _add_flag(groups[title], spec)
     return parser
 
 
-def _add_model_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("model")
-    g.add_argument("--num-layers", type=int, default=None)
-    g.add_argument("--hidden-size", type=int, default=None)
-    g.add_argument("--ffn-hidden-size", type=int, default=None, help="Defaults to 4 * hidden size.")
-    g.add_argument("--num-attention-heads", type=int, default=None)
-    g.add_argument("--seq-length", type=int, default=None)
-    g.add_argument("--max-position-embeddings", type=int, default=None)
-    g.add_argument("--vocab-size", type=int, default=None, help="Only with --tokenizer-type NullTokenizer.")
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
-    g.add_argument("--recompute-activations", action="store_true", help="Recompute every transformer block.")
-    g.add_argument("--use-mcore-models", action="store_true", help="Megatron-core's GPTModel (needs megatron-core).")
-
-
-def _add_training_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("training")
-    g.add_argument("--micro-batch-size", type=int, default=None)
-    g.add_argument("--global-batch-size", type=int, default=None, help="Defaults to micro batch x data-parallel size.")
-    g.add_argument("--train-iters", type=int, default=None)
-    g.add_argument("--exit-interval", type=int, default=None, help="Exit (after saving) at a multiple of this iteration.")
-    g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
-    g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--clip-grad", type=float, default=1.0, help="Gradient-norm clipping; 0 disables clipping.")
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.999)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
-    g.add_argument("--sgd-momentum", type=float, default=0.9)
-    g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--calculate-per-token-loss", action="store_true",
-                   help="Average the loss over all tokens of the global batch instead of per microbatch.")
-    g.add_argument("--check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
-                   action="store_true", default=True, help="Raise on a NaN/Inf loss or gradient (default).")
-    g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
-                   action="store_false")
-
-
-def _add_learning_rate_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("learning rate")
-    g.add_argument("--lr", type=float, default=None)
-    g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--lr-decay-style", choices=[s.value for s in LRDecayStyle], default=LRDecayStyle.LINEAR.value)
-    g.add_argument("--lr-decay-iters", type=int, default=None, help="Defaults to --train-iters.")
-    g.add_argument("--lr-warmup-iters", type=int, default=0)
-    g.add_argument("--lr-warmup-init", type=float, default=0.0)
-
-
-def _add_mixed_precision_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("mixed precision")
-    g.add_argument("--bf16", action="store_true", help="Model weights in bfloat16.")
-    g.add_argument("--fp16", action="store_true", help="Model weights in float16, with dynamic loss scaling.")
-    g.add_argument("--loss-scale", type=float, default=None, help="Static loss scale (fp16); default: dynamic.")
-    g.add_argument("--initial-loss-scale", type=float, default=2.0**32)
-    g.add_argument("--min-loss-scale", type=float, default=1.0)
-    g.add_argument("--loss-scale-window", type=int, default=1000)
-    g.add_argument("--hysteresis", type=int, default=2)
-
-
-def _add_distributed_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("distributed")
-    g.add_argument("--use-megatron-fsdp", action="store_true")
-    g.add_argument("--use-torch-fsdp2", action="store_true", help="Accepted to report conflicts; not implemented here.")
-    g.add_argument("--use-distributed-optimizer", action="store_true")
-    g.add_argument("--data-parallel-sharding-strategy", choices=STRATEGY_CHOICES,
-                   default=ShardingStrategy.OPTIM_GRADS_PARAMS.label)
-    g.add_argument("--outer-dp-sharding-strategy", choices=OUTER_STRATEGY_CHOICES,
-                   default=ShardingStrategy.NO_SHARD.label)
-    g.add_argument("--num-distributed-optimizer-instances", type=int, default=1,
-                   help="Size of the outer (replica) data-parallel group; > 1 enables HSDP.")
-    g.add_argument("--megatron-fsdp-main-params-dtype", choices=DTYPE_CHOICES, default="fp32")
-    g.add_argument("--megatron-fsdp-main-grads-dtype", choices=DTYPE_CHOICES, default="auto")
-    g.add_argument("--megatron-fsdp-grad-comm-dtype", choices=DTYPE_CHOICES, default="auto")
-    g.add_argument("--init-model-with-meta-device", action="store_true")
-    g.add_argument("--overlap-grad-reduce", action="store_true")
-    g.add_argument("--overlap-param-gather", action="store_true")
-    g.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion", action="store_false",
-                   help="Megatron-LM fuses wgrad accumulation on GPUs; the embedded GPT never does.")
-    g.add_argument("--fsdp-double-buffer", action="store_true")
-    g.add_argument("--use-nccl-ub", action="store_true")
-    g.add_argument("--suggested-communication-unit-size", type=int, default=None)
-    g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None,
-                   help="Default: nccl when CUDA is available, else gloo.")
-    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
-
-
-def _add_data_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("data")
-    g.add_argument("--data-path", nargs="*", default=None,
-                   help="Plain-text files, byte-tokenized. Default: the corpus in data/ that ships with the repo.")
-    g.add_argument("--mock-data", action="store_true", help="Generated, learnable token sequences.")
-    g.add_argument("--split", default="969,30,1", help="train,valid,test weights of the corpus.")
-    g.add_argument("--tokenizer-type", choices=[t.value for t in TokenizerType], default=None,
-                   help="Default: ByteTokenizer (NullTokenizer with --mock-data --vocab-size).")
-
-
-def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("checkpointing")
-    g.add_argument("--save", default=None)
-    g.add_argument("--save-interval", type=int, default=None)
-    g.add_argument("--load", default=None)
-    g.add_argument("--ckpt-step", type=int, default=None,
-                   help="Load this iteration from --load instead of the tracker file's.")
-    g.add_argument("--no-load-optim", action="store_true")
-    g.add_argument("--no-load-rng", action="store_true")
-
-
-def _add_logging_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("logging")
-    g.add_argument("--log-interval", type=int, default=100)
-    g.add_argument("--eval-interval", type=int, default=1000)
-    g.add_argument("--eval-iters", type=int, default=100)
-    g.add_argument("--log-json", default=None, help="Write per-iteration metrics (rank 0) to this JSON file.")
-    g.add_argument("--plot-path", default="results/loss_curve.png", help="Loss-curve PNG; 'none' disables it.")
-
-
 # -- config files ----------------------------------------------------------------
-def _bool_flags(parser: argparse.ArgumentParser) -> dict[str, _BoolFlag]:
-    flags: dict[str, _BoolFlag] = {}
-    for action in parser._actions:
-        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
-            current = flags.get(action.dest, _BoolFlag())
-            if action.const:
-                flags[action.dest] = dataclasses.replace(current, on=action.option_strings[0])
-            else:
-                flags[action.dest] = dataclasses.replace(current, off=action.option_strings[0])
-    return flags
+def _config_key_spec(key: str, value: Any, table: FlagTable) -> Optional[FlagSpec]:
+    option = "--" + key.lstrip("-") if key.startswith("-") else "--" + key.replace("_", "-")
+    spec = table.by_option.get(option) or table.by_option.get(option.replace("_", "-"))
+    if spec is not None or key.startswith("-"):
+        return spec
+    specs = table.by_dest.get(key.replace("-", "_"), [])
+    if len(specs) > 1 and isinstance(value, bool):  # dest shared by an on and an off flag: pick the one meaning `value`
+        for candidate in specs:
+            if (candidate.action is FlagAction.STORE_TRUE) == value:
+                return candidate
+    return specs[0] if specs else None
 
 
-def config_to_argv(config: dict[str, Any], parser: argparse.ArgumentParser, source: str) -> list[str]:
+def _bool_tokens(spec: FlagSpec, value: Any, key: str, source: str) -> list[str]:
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        value = value.lower() == "true"
+    if not isinstance(value, bool):
+        raise ArgumentError(f"{source}: {key}: {value!r} must be true or false (it is an on/off flag)")
+    if spec.action is FlagAction.BOOLEAN_OPTIONAL:
+        return [spec.flag if value else "--no-" + spec.flag[2:]]
+    # true: pass the flag (as Megatron-LM's recipe runner does); false: leave it out.
+    return [spec.flag] if value else []
+
+
+def _expand_env(value: Any, key: str, source: str, problems: list[str]) -> Any:
+    if isinstance(value, list):
+        return [_expand_env(v, key, source, problems) for v in value]
+    if not isinstance(value, str) or "$" not in value:
+        return value
+    expanded = os.path.expandvars(value)
+    unset = _UNSET_ENV.findall(expanded)
+    if unset:
+        problems.append(f"{key}: {value!r} uses the environment variable {', '.join(unset)}, which is not set; "
+                        "export it or write the value")
+    return expanded
+
+
+def config_to_argv(config: dict[str, Any], table: FlagTable, source: str) -> list[str]:
     """Translate a config mapping into command-line tokens (see [Note: config precedence])."""
-    by_option = {opt: action for action in parser._actions for opt in action.option_strings}
-    by_dest = {action.dest: action for action in parser._actions if action.option_strings}
-    bools = _bool_flags(parser)
     argv: list[str] = []
+    problems: list[str] = []
+    known = [opt.lstrip("-") for opt in table.by_option]
     for key, value in config.items():
-        option = "--" + str(key).replace("_", "-")
-        action = by_option.get(option) or by_dest.get(str(key).replace("-", "_"))
-        if action is None or action.dest in ("config", "help"):
-            close = difflib.get_close_matches(option, list(by_option), n=1)
-            hint = f"did you mean {close[0].lstrip('-')!r}? " if close else ""
-            raise ArgumentError(
-                f"{source}: unknown key {key!r}; {hint}keys are the script's flags without the leading '--' "
-                "(see pretrain_gpt.py --help)"
-            )
-        argv += _config_entry_to_argv(key, value, action, option, bools, source)
+        key = str(key)
+        spec = _config_key_spec(key, value, table)
+        if spec is None or spec.dest in ("config", "help"):
+            close = suggest_flag(key.lstrip("-").replace("_", "-"), known)
+            problems.append(f"unknown key {key!r}" + (f" (did you mean {close!r}?)" if close else ""))
+            continue
+        value = _expand_env(value, key, source, problems)
+        try:
+            argv += _config_entry_tokens(spec, key, value, source)
+        except ArgumentError as exc:
+            problems.append(str(exc).removeprefix(f"{source}: "))
+    if problems:
+        raise ArgumentError(f"{source}: " + "; ".join(problems) +
+                            ". Keys are the launcher's flags (Megatron-LM's names), with or without the leading "
+                            "'--' (see pretrain_gpt.py --help)")
     return argv
 
 
-def _config_entry_to_argv(key, value, action, option, bools, source) -> list[str]:
-    if action.dest in bools:
-        if not isinstance(value, bool):
-            raise ArgumentError(f"{source}: {key}: {value!r} must be true or false (it is an on/off flag)")
-        flag = bools[action.dest]
-        # A key naming the negative flag (no_gradient_accumulation_fusion: true) means dest=False.
-        want = (not value) if option == flag.off else value
-        chosen = flag.on if want else flag.off
-        if chosen is not None:
-            return [chosen]
-        if want == action.default:
-            return []
-        raise ArgumentError(f"{source}: {key}: {value!r} cannot be expressed by a flag; remove the key")
-    if value is None:
+def _config_entry_tokens(spec: FlagSpec, key: str, value: Any, source: str) -> list[str]:
+    if spec.is_bool:
+        return _bool_tokens(spec, value, key, source)
+    if value is None or value == "":
         return []
     if isinstance(value, (list, tuple)):
-        if action.nargs not in ("*", "+"):
+        if spec.nargs not in ("*", "+") and not (spec.nargs or "").isdigit():
             raise ArgumentError(f"{source}: {key}: expects one value, got the list {value!r}")
-        return [action.option_strings[0], *(str(v) for v in value)]
-    return [action.option_strings[0], str(value)]
+        return [spec.flag, *(str(v) for v in value)]
+    if spec.nargs in ("*", "+") and isinstance(value, str) and " " in value.strip():
+        return [spec.flag, *value.split()]  # a blend "0.3 a 0.7 b" written as one string
+    return [spec.flag, str(value)]
 
 
 def load_config_file(path: str) -> dict[str, Any]:
+    """The flag mapping of a YAML file, in either form (see [Note: config precedence])."""
     try:
         import yaml
     except ImportError as exc:  # pyyaml is in setup_env.sh; say so instead of a bare ImportError
@@ -290,23 +212,46 @@ def load_config_file(path: str) -> dict[str, Any]:
         config = yaml.safe_load(f) or {}
     if not isinstance(config, dict):
         raise ArgumentError(f"--config {path!r} must hold a mapping of flag: value, got a {type(config).__name__}")
+    if "MODEL_ARGS" in config:  # Megatron-LM functional-test recipe
+        model_args = config["MODEL_ARGS"] or {}
+        if not isinstance(model_args, dict):
+            raise ArgumentError(f"--config {path!r}: MODEL_ARGS must be a mapping of --flag: value")
+        extra = [k for k in config if k not in RECIPE_SECTIONS]
+        if extra:
+            raise ArgumentError(f"--config {path!r}: top-level keys {extra} next to MODEL_ARGS; a recipe keeps its "
+                                "flags under MODEL_ARGS")
+        return model_args
     return config
 
 
 # -- entry point -----------------------------------------------------------------
+def given_flags(tokens: Sequence[str], table: FlagTable) -> dict[str, FlagSpec]:
+    """The flags present in ``tokens`` (config expansion included), by canonical name."""
+    given: dict[str, FlagSpec] = {}
+    for token in tokens:
+        if not token.startswith("--"):
+            continue
+        spec = table.by_option.get(token.split("=", 1)[0])
+        if spec is not None:
+            given[spec.flag] = spec
+    return given
+
+
 def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None) -> argparse.Namespace:
     """Parse, apply the config file, validate and derive. Raises ``ArgumentError``
     for invalid combinations; argparse itself exits with status 2 on malformed flags."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
+    table = load_flag_table()
+    parser = build_parser(table)
     config_path = _find_config_path(argv)
     prefix: list[str] = []
     if config_path:
-        prefix = config_to_argv(load_config_file(config_path), parser, config_path)
+        prefix = config_to_argv(load_config_file(config_path), table, config_path)
         parser.config_source = config_path
         parser.parse_args(prefix)  # report a bad value in the file as coming from the file
         parser.config_source = None
     args = parser.parse_args(prefix + argv)
+    args.given_flags = given_flags(prefix + argv, table)
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     validate_args(args, world_size)
@@ -323,11 +268,17 @@ def _find_config_path(argv: Sequence[str]) -> Optional[str]:
 
 
 def validate_args(args: argparse.Namespace, world_size: int) -> None:
-    """Megatron-LM's rules for these flags (plus this script's limits), then the
-    derived fields. Every problem is reported at once."""
-    from .validation import collect_problems, derive_fields
-
-    problems = collect_problems(args, world_size)
+    """The table's verdict on each given flag, Megatron-LM's rules for the values
+    (plus this script's limits), then the derived fields. Every problem is reported
+    at once; the warnings for flags with no effect are kept on ``args.flag_warnings``
+    for rank 0 to log once."""
+    given = getattr(args, "given_flags", {})
+    # Megatron-LM keeps --use-mcore-models under a "deprecated_" destination (its
+    # models are always megatron-core); here the flag picks the model, so name it plainly.
+    args.use_mcore_models = args.deprecated_use_mcore_models
+    problems, warnings = flag_policy(args, given)
+    problems += collect_problems(args, world_size)
     if problems:
         raise ArgumentError("invalid arguments:\n  - " + "\n  - ".join(problems))
-    derive_fields(args, world_size)
+    args.flag_warnings = warnings
+    derive_fields(args, world_size)  # may add warnings of its own

@@ -14,10 +14,14 @@ from __future__ import annotations
 import logging
 import os
 import random
+import shutil
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from megatron_fsdp import device as device_mod
 
 logger = logging.getLogger(__name__)
 
@@ -62,13 +66,15 @@ def _checkpoint_api():
     return checkpoint
 
 
-def rng_state() -> dict[str, Any]:
-    return {"python": random.getstate(), "torch": torch.get_rng_state()}
+def rng_state(device: torch.device = torch.device("cpu")) -> dict[str, Any]:
+    """Python, torch CPU and (where CUDA is used) CUDA generator states of this rank."""
+    return {"python": random.getstate(), "torch": torch.get_rng_state(), "device": device_mod.rng_state(device)}
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(state: dict[str, Any], device: torch.device = torch.device("cpu")) -> None:
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
+    device_mod.set_rng_state(state.get("device"), device)
 
 
 def save(root: str, iteration: int, model, optimizer, extra_state: dict) -> str:
@@ -86,6 +92,52 @@ def save(root: str, iteration: int, model, optimizer, extra_state: dict) -> str:
         dist.barrier()
     logger.info("  successfully saved checkpoint from iteration %7d to %s", iteration, root)
     return directory
+
+
+class AsyncSaver:
+    """``--async-save``: shards are staged in memory and written by
+    ``torch.distributed.checkpoint.async_save`` in the background while training
+    goes on; the checkpoint is published (renamed from ``iter_X.tmp`` and named by
+    the tracker) once every rank's write finished, at the next save or at the end
+    (``finalize``). Its collectives run on a private gloo group so they never
+    interleave with training's."""
+
+    def __init__(self) -> None:
+        self._group = dist.new_group(backend="gloo")
+        self._pending: Optional[tuple[Any, str, str, int]] = None
+
+    def save(self, root: str, iteration: int, model, optimizer, extra_state: dict) -> None:
+        self.finalize()
+        # The same layout and per-rank extra-state files as the synchronous save.
+        from megatron_fsdp.checkpoint import EXTRA_STATE_FILE, _state
+
+        rank = dist.get_rank()
+        final = checkpoint_dir(root, iteration)
+        tmp = final + ".tmp"
+        if rank == 0:
+            os.makedirs(root, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        dist.barrier()
+        torch.save(extra_state, os.path.join(tmp, EXTRA_STATE_FILE.format(rank=rank)))
+        future = dcp.async_save(_state(model, optimizer), checkpoint_id=tmp, process_group=self._group)
+        self._pending = (future, root, tmp, iteration)
+        logger.info("  started an asynchronous save of iteration %7d to %s", iteration, root)
+
+    def finalize(self) -> None:
+        if self._pending is None:
+            return
+        future, root, tmp, iteration = self._pending
+        self._pending = None
+        future.result()
+        dist.barrier()
+        if dist.get_rank() == 0:
+            final = checkpoint_dir(root, iteration)
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            _write_tracker(root, iteration)
+        dist.barrier()
+        logger.info("  successfully saved checkpoint from iteration %7d to %s (asynchronously)", iteration, root)
 
 
 def load(root: str, model, optimizer, step: Optional[int] = None) -> Optional[dict]:

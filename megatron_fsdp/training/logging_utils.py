@@ -24,54 +24,74 @@ logger = logging.getLogger("megatron_fsdp.pretrain")
 _MB = 1024 * 1024
 
 
-def setup_logging(rank: int) -> None:
-    """Rank 0 logs INFO to stdout; other ranks only WARNING and above, prefixed by rank."""
+def setup_logging(rank: int, level: Optional[int] = None) -> None:
+    """Rank 0 logs at ``level`` (``--logging-level``, default INFO) to stdout; other
+    ranks only WARNING and above, prefixed by rank."""
     handler = logging.StreamHandler(sys.stdout if rank == 0 else sys.stderr)
     prefix = "" if rank == 0 else f"[rank {rank}] "
     handler.setFormatter(logging.Formatter(prefix + "%(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
-    root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    root.setLevel((level or logging.INFO) if rank == 0 else max(level or 0, logging.WARNING))
 
 
 @dataclasses.dataclass(kw_only=True)
 class IntervalStats:
-    """Sums over the current log interval, reset after each iteration line."""
+    """Sums over the current log interval, as Megatron-LM's ``total_loss_dict``: the
+    loss is averaged over *advanced* iterations only (a skipped iteration's loss is
+    not in the average), elapsed time over advanced + skipped ones."""
 
-    iterations: int = 0
-    elapsed_s: float = 0.0
-    loss_sum: float = 0.0
-    grad_norm: Optional[float] = None
+    advanced: int = 0
     skipped: int = 0
     nan: int = 0
+    elapsed_s: float = 0.0
+    loss_sum: float = 0.0
+
+    @property
+    def iterations(self) -> int:
+        return self.advanced + self.skipped
 
     def add(self, result, elapsed_s: float) -> None:
-        self.iterations += 1
         self.elapsed_s += elapsed_s
-        self.loss_sum += result.lm_loss
-        self.grad_norm = result.grad_norm
-        self.skipped += int(result.skipped)
-        self.nan += int(result.nan)
+        if result.skipped:
+            self.skipped += 1
+            self.nan += int(result.nan)
+        else:
+            self.advanced += 1
+            self.loss_sum += result.lm_loss
+
+    @property
+    def mean_loss(self) -> Optional[float]:
+        return self.loss_sum / self.advanced if self.advanced else None
 
 
 def format_iteration_line(*, iteration: int, train_iters: int, consumed_samples: int, stats: IntervalStats,
-                          tflops_per_gpu: float, learning_rate: float, global_batch_size: int,
-                          loss_scale: float) -> str:
-    """Megatron-LM's per-log-interval line (averages over the interval)."""
+                          throughput: Optional[float], learning_rate: Optional[float], global_batch_size: int,
+                          loss_scale: float, grad_norm: Optional[float], num_zeros: Optional[int] = None,
+                          params_norm: Optional[float] = None, now: Optional[datetime.datetime] = None) -> str:
+    """Megatron-LM's ``training_log`` line, field for field: ``throughput`` only with
+    ``--log-throughput`` (None otherwise), ``num zeros`` / ``params norm`` only when
+    computed (``--log-num-zeros-in-grad`` / ``--log-params-norm``)."""
     ms = 1000.0 * stats.elapsed_s / max(stats.iterations, 1)
-    loss = stats.loss_sum / max(stats.iterations, 1)
-    line = f" [{datetime.datetime.now().strftime('%Y-%m-%d %H:%M:%S')}]"
+    line = f" [{(now or datetime.datetime.now()).strftime('%Y-%m-%d %H:%M:%S.%f')}]"
     line += f" iteration {iteration:8d}/{train_iters:8d} |"
     line += f" consumed samples: {consumed_samples:12d} |"
     line += f" elapsed time per iteration (ms): {ms:.1f} |"
-    # Three decimals rather than one: CPU runs of tiny models would always read 0.0.
-    line += f" throughput per GPU (TFLOP/s/GPU): {tflops_per_gpu:.3f} |"
-    line += f" learning rate: {learning_rate:.6E} |"
+    if throughput is not None:
+        line += f" throughput per GPU (TFLOP/s/GPU): {throughput:.1f} |"
+    if learning_rate is not None:
+        line += f" learning rate: {learning_rate:.6E} |"
     line += f" global batch size: {global_batch_size:5d} |"
-    line += f" lm loss: {loss:.6E} |"
+    loss = stats.mean_loss
+    if loss is not None and loss >= 0.0:
+        line += f" lm loss: {loss:.6E} |"
     line += f" loss scale: {loss_scale:.1f} |"
-    if stats.grad_norm is not None:
-        line += f" grad norm: {stats.grad_norm:.3f} |"
+    if grad_norm is not None:
+        line += f" grad norm: {grad_norm:.3f} |"
+    if num_zeros is not None:
+        line += f" num zeros: {num_zeros} |"
+    if params_norm is not None:
+        line += f" params norm: {params_norm:.3f} |"
     line += f" number of skipped iterations: {stats.skipped:3d} |"
     line += f" number of nan iterations: {stats.nan:3d} |"
     return line
@@ -84,7 +104,7 @@ def flops_per_iteration(args, num_parameters: int) -> float:
     tokens = args.global_batch_size * args.seq_length
     attention = 12 * args.num_layers * args.hidden_size * args.seq_length
     flops = tokens * (6 * num_parameters + attention)
-    return flops * (4 / 3 if args.recompute_activations else 1.0)
+    return flops * (4 / 3 if args.recompute_granularity == "full" else 1.0)
 
 
 # -- memory -----------------------------------------------------------------------
@@ -135,8 +155,12 @@ def log_memory(model, device: torch.device, iteration: int) -> list[dict]:
     return snaps
 
 
+def validation_ppl(loss: float) -> float:
+    return float("inf") if loss > 700 else float(torch.tensor(loss).exp())
+
+
 def log_validation(iteration: int, loss: float, label: str = "validation") -> None:
-    ppl = float("inf") if loss > 700 else float(torch.tensor(loss).exp())
+    ppl = validation_ppl(loss)
     body = f" {label} loss at iteration {iteration} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} | "
     bar = "-" * len(body)
     logger.info("%s\n%s\n%s", bar, body, bar)

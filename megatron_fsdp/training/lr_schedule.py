@@ -1,10 +1,13 @@
 """Learning-rate schedule with Megatron-LM's shapes: linear warmup from
 ``--lr-warmup-init`` to ``--lr``, then constant / linear / cosine /
-inverse-square-root decay to ``--min-lr`` at ``--lr-decay-iters``.
+inverse-square-root decay to ``--min-lr`` at the end of the decay horizon.
 
-The schedule is a pure function of the number of optimizer steps taken so far, so
-its checkpointed state is that one counter (plus the settings, to catch a resume
-with a different schedule).
+As Megatron-LM's ``OptimizerParamScheduler``, the clock counts iterations, or
+samples in sample-based training (``--train-samples``, ``--lr-*-samples``: each
+step adds the global batch size), and it only moves on iterations whose update was
+applied: a skipped (NaN / overflow) iteration leaves the learning rate where it was.
+The schedule is a pure function of that clock, so its checkpointed state is one
+counter (plus the settings, to catch a resume with a different schedule).
 """
 
 from __future__ import annotations
@@ -24,35 +27,38 @@ logger = logging.getLogger(__name__)
 class LRSchedule:
     max_lr: float
     min_lr: float
-    warmup_iters: int
-    decay_iters: int
+    warmup_steps: int
+    decay_steps: int
     style: LRDecayStyle
     warmup_init: float = 0.0
+    increment: int = 1
+    """Clock units per applied update: 1 (iterations) or the global batch size (samples)."""
     num_steps: int = 0
-    """Optimizer steps taken so far; the next iteration uses ``lr_at(num_steps)``."""
+    """Clock so far; the next iteration uses ``lr_at(num_steps)``."""
 
     def __post_init__(self) -> None:
-        if self.decay_iters <= 0:
-            raise ValueError(f"decay_iters={self.decay_iters} must be positive")
-        if self.warmup_iters and self.warmup_iters >= self.decay_iters:
-            raise ValueError(f"warmup_iters={self.warmup_iters} must be smaller than decay_iters={self.decay_iters}")
+        if self.decay_steps <= 0:
+            raise ValueError(f"decay_steps={self.decay_steps} must be positive")
+        if self.warmup_steps and self.warmup_steps >= self.decay_steps:
+            raise ValueError(f"warmup_steps={self.warmup_steps} must be smaller than decay_steps={self.decay_steps}")
 
     @classmethod
     def from_args(cls, args) -> "LRSchedule":
-        return cls(max_lr=args.lr, min_lr=args.min_lr, warmup_iters=args.lr_warmup_iters,
-                   decay_iters=args.lr_decay_iters, style=args.lr_decay, warmup_init=args.lr_warmup_init)
+        units = args.schedule
+        return cls(max_lr=args.lr, min_lr=args.min_lr, warmup_steps=units.warmup_steps, decay_steps=units.decay_steps,
+                   style=args.lr_decay, warmup_init=args.lr_warmup_init, increment=units.increment)
 
     def lr_at(self, step: int) -> float:
-        if self.warmup_iters > 0 and step <= self.warmup_iters:
-            return self.warmup_init + (self.max_lr - self.warmup_init) * step / self.warmup_iters
+        if self.warmup_steps > 0 and step <= self.warmup_steps:
+            return self.warmup_init + (self.max_lr - self.warmup_init) * step / self.warmup_steps
         if self.style is LRDecayStyle.CONSTANT:
             return self.max_lr
         if self.style is LRDecayStyle.INVERSE_SQUARE_ROOT:
-            warmup = max(self.warmup_iters, 1)
+            warmup = max(self.warmup_steps, 1)
             return max(self.min_lr, self.max_lr * math.sqrt(warmup) / math.sqrt(max(step, 1)))
-        if step > self.decay_iters:
+        if step > self.decay_steps:
             return self.min_lr
-        ratio = (step - self.warmup_iters) / (self.decay_iters - self.warmup_iters)
+        ratio = (step - self.warmup_steps) / (self.decay_steps - self.warmup_steps)
         match self.style:
             case LRDecayStyle.LINEAR:
                 coeff = 1.0 - ratio
@@ -74,14 +80,15 @@ class LRSchedule:
         return lr
 
     def step(self) -> None:
-        self.num_steps += 1
+        """Advance after an applied update (never after a skipped iteration)."""
+        self.num_steps += self.increment
 
     def state_dict(self) -> dict:
         return dataclasses.asdict(self) | {"style": self.style.value}
 
     def load_state_dict(self, state: dict) -> None:
         saved = dict(state, style=LRDecayStyle(state["style"]))
-        for key in ("max_lr", "min_lr", "warmup_iters", "decay_iters", "style", "warmup_init"):
+        for key in ("max_lr", "min_lr", "warmup_steps", "decay_steps", "style", "warmup_init", "increment"):
             if saved[key] != getattr(self, key):
                 # Megatron-LM's default is to trust the command line over the checkpoint; say so.
                 logger.warning(

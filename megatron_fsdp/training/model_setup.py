@@ -28,7 +28,7 @@ import megatron_fsdp as mf
 from megatron_fsdp import device as device_mod
 from megatron_fsdp.models.gpt import GPT, GPTConfig, TransformerBlock
 
-from .arguments import Precision
+from .arg_types import Precision
 
 
 _PRECISION_DTYPES = {Precision.FP32: torch.float32, Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
@@ -94,17 +94,100 @@ def setup_model_and_optimizer(args, device: torch.device) -> ModelBundle:
 
 
 # -- models -----------------------------------------------------------------------
+# [Note: model flags] Megatron-LM's model flags map onto fields of the embedded
+# GPTConfig. A field this checkout's GPTConfig lacks is simply not passed when the
+# flag was not given (the model keeps its own behaviour, the "baseline" below); a
+# flag that was given with a value the model cannot express without the field is a
+# validation error naming the field, never a silently different architecture.
+@dataclasses.dataclass(frozen=True)
+class ModelFlag:
+    dest: str
+    field: str
+    baseline: object
+    """What the embedded model does without the field."""
+
+
+MODEL_FLAG_FIELDS = (
+    ModelFlag("swiglu", "swiglu", False),
+    ModelFlag("normalization", "normalization", "LayerNorm"),
+    ModelFlag("layernorm_epsilon", "norm_epsilon", 1e-5),  # --norm-epsilon
+    ModelFlag("position_embedding_type", "position_embedding_type", "learned_absolute"),
+    ModelFlag("rotary_base", "rotary_base", 10000),
+    ModelFlag("rotary_percent", "rotary_percent", 1.0),
+    ModelFlag("num_query_groups", "num_query_groups", None),
+    ModelFlag("kv_channels", "kv_channels", None),
+    ModelFlag("untie_embeddings_and_output_weights", "untie_embeddings_and_output_weights", False),
+    ModelFlag("add_bias_linear", "add_bias_linear", True),
+    ModelFlag("hidden_dropout", "hidden_dropout", 0.0),
+    ModelFlag("attention_dropout", "attention_dropout", 0.0),
+    ModelFlag("init_method_std", "init_method_std", 0.02),
+    ModelFlag("qk_layernorm", "qk_layernorm", False),
+    ModelFlag("recompute_granularity", "recompute_granularity", None),
+    ModelFlag("num_experts", "num_moe_experts", None),
+    ModelFlag("moe_router_topk", "moe_router_topk", 2),
+    ModelFlag("moe_ffn_hidden_size", "moe_ffn_hidden_size", None),
+    ModelFlag("moe_aux_loss_coeff", "moe_aux_loss_coeff", 0.0),
+)
+# Older GPTConfig spellings of the same settings.
+_LEGACY_FIELDS = {"untie_embeddings_and_output_weights": ("tie_embeddings", lambda v: not v),
+                  "recompute_granularity": ("recompute", lambda v: v == "full")}
+
+
+def _gpt_config_fields() -> set[str]:
+    return {f.name for f in dataclasses.fields(GPTConfig)}
+
+
+def _baseline_ok(flag: ModelFlag, args) -> bool:
+    value = getattr(args, flag.dest)
+    if flag.dest == "num_query_groups":
+        return value in (None, args.num_attention_heads)
+    if flag.dest == "kv_channels":
+        return value is None or value * args.num_attention_heads == args.hidden_size
+    if flag.dest in ("rotary_base", "rotary_percent"):
+        return args.position_embedding_type != "rope" or value == flag.baseline
+    if flag.dest in ("moe_router_topk", "moe_ffn_hidden_size", "moe_aux_loss_coeff"):
+        return args.num_experts is None or value == flag.baseline
+    if isinstance(value, list):
+        value = value[0]
+    return value == flag.baseline
+
+
+def missing_model_fields(args) -> list[tuple[str, str]]:
+    """(flag, GPTConfig field) for each given model flag the embedded model cannot honour."""
+    fields = _gpt_config_fields()
+    given = {spec.dest: name for name, spec in getattr(args, "given_flags", {}).items()}
+    missing = []
+    for flag in MODEL_FLAG_FIELDS:
+        if flag.field in fields or flag.dest not in given:
+            continue
+        legacy = _LEGACY_FIELDS.get(flag.field)
+        if legacy and legacy[0] in fields:
+            continue
+        if not _baseline_ok(flag, args):
+            missing.append((given[flag.dest], flag.field))
+    if args.num_experts is not None and "num_moe_experts" not in fields and ("--num-experts", "num_moe_experts") \
+            not in missing:
+        missing.append(("--num-experts", "num_moe_experts"))
+    return missing
+
+
+def gpt_config_from_args(args) -> GPTConfig:
+    fields = _gpt_config_fields()
+    kwargs = dict(vocab_size=args.padded_vocab_size, seq_length=args.max_position_embeddings,
+                  num_layers=args.num_layers, hidden_size=args.hidden_size,
+                  num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size)
+    for flag in MODEL_FLAG_FIELDS:
+        value = getattr(args, flag.dest)
+        if flag.field in fields:
+            kwargs[flag.field] = value
+        elif flag.field in _LEGACY_FIELDS and _LEGACY_FIELDS[flag.field][0] in fields:
+            legacy, convert = _LEGACY_FIELDS[flag.field]
+            kwargs[legacy] = convert(value)
+    return GPTConfig(**kwargs)
+
+
 def _build_embedded_gpt(args, device: torch.device):
-    cfg = GPTConfig(
-        vocab_size=args.vocab_size,
-        seq_length=args.max_position_embeddings,
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        ffn_hidden_size=args.ffn_hidden_size,
-        tie_embeddings=not args.untie_embeddings_and_output_weights,
-        recompute=args.recompute_activations,
-    )
+    cfg = gpt_config_from_args(args)
     # Same seed on every rank: identical initial weights without a broadcast.
     torch.manual_seed(args.seed)
     if args.init_model_with_meta_device:
@@ -184,7 +267,7 @@ def ddp_config_from_args(args) -> mf.DistributedDataParallelConfig:
         megatron_fsdp_main_grads_dtype=args.megatron_fsdp_main_grads_dtype,
         megatron_fsdp_grad_comm_dtype=args.megatron_fsdp_grad_comm_dtype,
         fsdp_double_buffer=args.fsdp_double_buffer,
-        nccl_ub=args.use_nccl_ub,
+        nccl_ub=args.nccl_ub,
         suggested_communication_unit_size=args.suggested_communication_unit_size,
     )
 
@@ -208,7 +291,7 @@ def _wrap_megatron_fsdp(module: nn.Module, args, device: torch.device, unit_modu
         overlap_param_gather=args.overlap_param_gather,
         calculate_per_token_loss=args.calculate_per_token_loss,
         fsdp_double_buffer=args.fsdp_double_buffer,
-        nccl_ub=args.use_nccl_ub,
+        nccl_ub=args.nccl_ub,
         check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad,
         suggested_communication_unit_size=args.suggested_communication_unit_size,
         **_hsdp_kwargs(args, device),

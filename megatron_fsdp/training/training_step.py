@@ -24,6 +24,7 @@ from .data import BatchLayout, SampleSource, get_microbatch
 from .loss_scaler import LossScaler
 from .lr_schedule import LRSchedule
 from .model_setup import ModelBundle
+from .timers import Timers
 
 
 class NaNLossError(RuntimeError):
@@ -54,6 +55,8 @@ class StepResult:
     skipped: bool
     nan: bool
     loss_scale: float
+    params_norm: Optional[float] = None
+    num_zeros: Optional[int] = None
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -68,6 +71,9 @@ class StepContext:
     clip_grad: float
     per_token_loss: bool
     check_for_nan: bool
+    timers: Timers = dataclasses.field(default_factory=lambda: Timers(log_level=0))
+    log_params_norm: bool = False
+    log_num_zeros: bool = False
 
 
 def _global_sums(loss_sum: torch.Tensor, tokens: int, device: torch.device) -> tuple[float, int]:
@@ -83,12 +89,13 @@ def _forward_backward(ctx: StepContext, source: SampleSource, consumed: int, ite
     tokens_total = 0
     scale = ctx.scaler.scale if ctx.scaler is not None else 1.0
     for m in range(layout.num_microbatches):
-        inputs, targets = get_microbatch(source, layout, consumed, m, ctx.device)
+        with ctx.timers.time("batch-generator"):
+            inputs, targets = get_microbatch(source, layout, consumed, m, ctx.device)
         last = m == layout.num_microbatches - 1
         # Gradients are synchronised only after the last micro batch (ZeRO-2/3 still reduce-scatter each one).
         sync = contextlib.nullcontext() if last else bundle.model.no_sync()
         with sync:
-            with bundle.forward_context(ctx.device):
+            with ctx.timers.time("forward-compute"), bundle.forward_context(ctx.device):
                 loss_sum, tokens = bundle.loss_fn(inputs, targets)
             if ctx.check_for_nan and not bool(torch.isfinite(loss_sum)):
                 rank = dist.get_rank() if dist.is_initialized() else 0
@@ -97,7 +104,8 @@ def _forward_backward(ctx: StepContext, source: SampleSource, consumed: int, ite
                     "lower --lr, check the data, or pass --no-check-for-nan-in-loss-and-grad to skip such steps"
                 )
             divisor = 1.0 if ctx.per_token_loss else tokens * layout.num_microbatches
-            (loss_sum * (scale / divisor)).backward()
+            with ctx.timers.time("backward-compute"):
+                (loss_sum * (scale / divisor)).backward()
         loss_total += loss_sum.detach().double().cpu()
         tokens_total += tokens
     return loss_total, tokens_total
@@ -114,6 +122,25 @@ def _grad_norm(params: list[torch.Tensor], clip_grad: float) -> float:
 
 
 @torch.no_grad()
+def params_l2_norm(params: list[torch.Tensor]) -> float:
+    """Norm of the (main) weights after the step, over all shards (``--log-params-norm``)."""
+    norm = torch.nn.utils.get_total_norm([p.detach() for p in params])
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+
+@torch.no_grad()
+def count_zeros(params: list[torch.Tensor]) -> int:
+    """Zero entries of the reduced gradients, over all shards (``--log-num-zeros-in-grad``)."""
+    total = 0
+    for p in params:
+        if p.grad is None:
+            continue
+        zeros = (p.grad == 0).sum()
+        total += int(zeros.full_tensor() if hasattr(zeros, "full_tensor") else zeros)
+    return total
+
+
+@torch.no_grad()
 def _scale_grads(params: list[torch.Tensor], factor: float) -> None:
     for p in params:
         if p.grad is not None:
@@ -124,7 +151,8 @@ def train_step(ctx: StepContext, state: TrainState, source: SampleSource) -> Ste
     bundle = ctx.bundle
     lr = ctx.schedule.apply(bundle.optimizer)
     bundle.optimizer.zero_grad()
-    loss_sum, tokens = _forward_backward(ctx, source, state.consumed_train_samples, state.iteration + 1)
+    with ctx.timers.time("forward-backward"):
+        loss_sum, tokens = _forward_backward(ctx, source, state.consumed_train_samples, state.iteration + 1)
     global_loss, global_tokens = _global_sums(loss_sum, tokens, ctx.device)
     params = bundle.params
     if ctx.per_token_loss:
@@ -145,11 +173,14 @@ def train_step(ctx: StepContext, state: TrainState, source: SampleSource) -> Ste
             "check the data, or pass --no-check-for-nan-in-loss-and-grad to skip such steps"
         )
     skipped = found_inf or nan
+    num_zeros = count_zeros(params) if ctx.log_num_zeros else None
     if skipped:
         bundle.optimizer.zero_grad()  # drop the bad gradients; weights stay as they were
     else:
-        bundle.optimizer.step()
-    ctx.schedule.step()
+        with ctx.timers.time("optimizer"):
+            bundle.optimizer.step()
+        ctx.schedule.step()  # Megatron-LM: the schedule only advances on applied updates
+    params_norm = params_l2_norm(params) if ctx.log_params_norm else None
     state.iteration += 1
     state.consumed_train_samples += ctx.layout.global_batch_size
     return StepResult(
@@ -159,6 +190,8 @@ def train_step(ctx: StepContext, state: TrainState, source: SampleSource) -> Ste
         skipped=skipped,
         nan=nan or not math.isfinite(global_loss),
         loss_scale=ctx.scaler.scale if ctx.scaler is not None else 1.0,
+        params_norm=params_norm,
+        num_zeros=num_zeros,
     )
 
 

@@ -1,39 +1,76 @@
-"""Validation of the parsed flags: Megatron-LM's rules for them, this script's
-limits, and the fields derived once the flags are known to be consistent.
+"""Validation of the parsed flags: the argument table's verdict on each given flag,
+Megatron-LM's rules for the values, this script's limits, and the fields derived
+once the flags are known to be consistent.
 
 Each rule returns its problem as a sentence naming the offending value and the fix;
-``collect_problems`` gathers them so one run reports every mistake at once.
-Rules that mirror Megatron-LM say so; the rest are limits of this script.
+``collect_problems`` gathers them so one run reports every mistake at once. Rules
+that mirror Megatron-LM say so; the rest are limits of this script. Nothing here
+starts a process group.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
+import math
 import os
 
 from .. import device as device_mod
 from ..enums import ShardingStrategy
-from .arguments import BYTE_VOCAB_SIZE, LRDecayStyle, Precision, TokenizerType
+from .arg_types import BYTE_VOCAB_SIZE, LRDecayStyle, Precision, TokenizerType
+from .flag_table import FlagSpec, FlagStatus
+
+
+# -- the table's verdict ----------------------------------------------------------------
+def _values(value) -> list[str]:
+    return [str(v) for v in value] if isinstance(value, (list, tuple)) else [str(value)]
+
+
+def flag_policy(args: argparse.Namespace, given: dict[str, FlagSpec]) -> tuple[list[str], list[str]]:
+    """(problems, warnings) for the flags present on the command line / in the config."""
+    problems, warnings = [], []
+    for flag, spec in sorted(given.items()):
+        value = getattr(args, spec.dest)
+        shown = flag if spec.is_bool else f"{flag} {' '.join(_values(value))}"
+        match spec.status:
+            case FlagStatus.UNLISTED:
+                problems.append(f"{flag} is a Megatron-LM flag ({spec.group}) that this launcher does not implement; "
+                                "drop it (megatron_fsdp/training/flag_data/launcher_flags.table lists what is "
+                                "supported)")
+            case FlagStatus.REJECTED:
+                problems.append(f"{shown}: {spec.note}")
+            case FlagStatus.ONLY | FlagStatus.NOOP_ONLY if not spec.is_bool:
+                bad = [v for v in _values(value) if v not in spec.supported]
+                if bad:
+                    problems.append(f"{flag} {' '.join(bad)} is not supported here; supported: "
+                                    f"{', '.join(spec.supported)} ({spec.note})")
+                elif spec.status is FlagStatus.NOOP_ONLY:
+                    warnings.append(f"{shown}: accepted, no effect here: {spec.note}")
+            case FlagStatus.NOOP:
+                warnings.append(f"{shown}: accepted, no effect here: {spec.note}")
+    return problems, warnings
 
 
 def collect_problems(args: argparse.Namespace, world_size: int) -> list[str]:
     problems: list[str] = []
-    for rule in (_required, _model_shape, _batch, _schedule, _data_parallel, _megatron_fsdp, _precision, _data, _io,
-                 _optional_packages):
+    for rule in (_required, _model_shape, _model_features, _batch, _schedule, _data_parallel, _megatron_fsdp,
+                 _precision, _data, _io, _optional_packages):
         problems += rule(args, world_size)
     return problems
 
 
 def _required(args, world_size) -> list[str]:
-    # Megatron-LM requires the network size; this script also needs an iteration
-    # budget, a micro batch and a learning rate (it has no sample-based training).
+    # Megatron-LM requires the network size; this script also needs a training
+    # budget (iterations or samples), a micro batch and a learning rate.
     missing = [
         f"--{name.replace('_', '-')}"
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "max_position_embeddings",
-                     "micro_batch_size", "train_iters", "lr")
+                     "micro_batch_size", "lr")
         if getattr(args, name) is None
     ]
+    if args.train_iters is None and args.train_samples is None:
+        missing.append("--train-iters (or --train-samples)")
     if missing:
         return [f"missing {', '.join(missing)}: pass them on the command line or in --config FILE.yaml "
                 "(configs/gpt_tiny_cpu.yaml has working values)"]
@@ -50,21 +87,59 @@ def _positive(args, names) -> list[str]:
 
 def _model_shape(args, world_size) -> list[str]:
     problems = _positive(args, ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
-                                "max_position_embeddings", "ffn_hidden_size", "vocab_size"))
+                                "max_position_embeddings", "ffn_hidden_size", "vocab_size", "kv_channels"))
     if problems or args.hidden_size is None or args.num_attention_heads is None:
         return problems
-    if args.hidden_size % args.num_attention_heads:
+    if args.kv_channels is None and args.hidden_size % args.num_attention_heads:
         problems.append(f"--hidden-size={args.hidden_size} is not divisible by --num-attention-heads="
-                        f"{args.num_attention_heads}; pick a head count that divides the hidden size")
+                        f"{args.num_attention_heads}; pick a head count that divides the hidden size "
+                        "(or set --kv-channels)")
     if args.seq_length is not None and args.max_position_embeddings is not None:
-        if args.max_position_embeddings < args.seq_length:  # Megatron-LM rule
+        if args.position_embedding_type == "learned_absolute" and args.max_position_embeddings < args.seq_length:
             problems.append(f"--max-position-embeddings={args.max_position_embeddings} is smaller than "
                             f"--seq-length={args.seq_length}; raise it to at least {args.seq_length}")
+    if args.group_query_attention:
+        groups = args.num_query_groups
+        if groups is None or groups <= 0 or args.num_attention_heads % groups:
+            problems.append(f"--num-query-groups={groups} must divide --num-attention-heads="
+                            f"{args.num_attention_heads} (Megatron-LM's rule for grouped-query attention)")
+    for name in ("hidden_dropout", "attention_dropout"):
+        value = getattr(args, name)
+        if not 0.0 <= value < 1.0:
+            problems.append(f"--{name.replace('_', '-')}={value} must be in [0, 1)")
+    if not 0.0 < args.rotary_percent <= 1.0:
+        problems.append(f"--rotary-percent={args.rotary_percent} must be in (0, 1]")
+    return problems
+
+
+def _model_features(args, world_size) -> list[str]:
+    """Model flags need the embedded GPTConfig field they map to (see
+    ``model_setup.MODEL_FLAG_FIELDS``); a checkout without it says so instead of
+    training another architecture silently."""
+    problems = []
+    if args.num_experts is not None:
+        if args.num_experts <= 0:
+            problems.append(f"--num-experts={args.num_experts} must be positive")
+        elif not 0 < args.moe_router_topk <= args.num_experts:
+            problems.append(f"--moe-router-topk={args.moe_router_topk} must be in [1, --num-experts="
+                            f"{args.num_experts}]")
+    coeffs = args.moe_aux_loss_coeff if isinstance(args.moe_aux_loss_coeff, list) else [args.moe_aux_loss_coeff]
+    if len(coeffs) > 1:
+        problems.append(f"--moe-aux-loss-coeff {' '.join(map(str, coeffs))}: one coefficient per load-balancing "
+                        "type is not implemented here; pass one value")
+    if args.use_mcore_models:
+        return problems
+    from .model_setup import missing_model_fields
+
+    for flag, field in missing_model_fields(args):
+        problems.append(f"{flag} needs the embedded model's GPTConfig.{field}, which this checkout does not have; "
+                        "update megatron_fsdp (megatron_fsdp/models) or drop the flag")
     return problems
 
 
 def _batch(args, world_size) -> list[str]:
-    problems = _positive(args, ("micro_batch_size", "global_batch_size", "train_iters", "log_interval"))
+    problems = _positive(args, ("micro_batch_size", "global_batch_size", "train_iters", "train_samples",
+                                "log_interval"))
     if problems or args.micro_batch_size is None:
         return problems
     # Megatron-LM: a global batch is a whole number of micro batches on every DP rank.
@@ -74,8 +149,9 @@ def _batch(args, world_size) -> list[str]:
             f"--global-batch-size={args.global_batch_size} is not divisible by --micro-batch-size="
             f"{args.micro_batch_size} x data-parallel size {world_size} = {per_step}; use a multiple of {per_step}"
         )
-    if args.exit_interval is not None and args.exit_interval <= 0:
-        problems.append(f"--exit-interval={args.exit_interval} must be positive")
+    for name in ("exit_interval", "exit_duration_in_mins"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            problems.append(f"--{name.replace('_', '-')}={getattr(args, name)} must be positive")
     return problems
 
 
@@ -83,16 +159,31 @@ def _schedule(args, world_size) -> list[str]:
     problems = []
     if args.lr is not None and args.min_lr > args.lr:  # Megatron-LM rule
         problems.append(f"--min-lr={args.min_lr} is larger than --lr={args.lr}; lower --min-lr")
-    if args.lr_warmup_iters < 0:
-        problems.append(f"--lr-warmup-iters={args.lr_warmup_iters} must be >= 0")
-    decay_iters = args.lr_decay_iters if args.lr_decay_iters is not None else args.train_iters
-    if decay_iters is not None:
-        if decay_iters <= 0:
-            problems.append(f"--lr-decay-iters={decay_iters} must be positive")
-        elif args.lr_warmup_iters >= decay_iters and args.lr_warmup_iters > 0:
-            # Megatron-LM's scheduler: warmup must end before the decay horizon.
-            problems.append(f"--lr-warmup-iters={args.lr_warmup_iters} must be smaller than the decay horizon "
-                            f"({decay_iters} iterations); shorten the warmup or raise --lr-decay-iters")
+    # Megatron-LM: iteration-based and sample-based settings do not mix.
+    if args.train_iters is not None and args.train_samples is not None:
+        problems.append("--train-iters and --train-samples are exclusive (Megatron-LM: iteration- or sample-based "
+                        "training); keep one")
+    elif args.train_samples is not None:
+        for name, value in (("lr_decay_iters", args.lr_decay_iters), ("lr_warmup_iters", args.lr_warmup_iters or None)):
+            if value is not None:
+                problems.append(f"--{name.replace('_', '-')}={value} with --train-samples: sample-based training "
+                                f"takes --{name.replace('_', '-').replace('iters', 'samples')} instead")
+    else:
+        for name, value in (("lr_decay_samples", args.lr_decay_samples),
+                            ("lr_warmup_samples", args.lr_warmup_samples or None)):
+            if value is not None:
+                problems.append(f"--{name.replace('_', '-')}={value} needs sample-based training (--train-samples); "
+                                f"with --train-iters use --{name.replace('_', '-').replace('samples', 'iters')}")
+    if args.lr_warmup_fraction is not None and (args.lr_warmup_iters or args.lr_warmup_samples):
+        problems.append("--lr-warmup-fraction and --lr-warmup-iters/--lr-warmup-samples are exclusive "
+                        "(Megatron-LM's rule); keep one")
+    if args.lr_warmup_iters < 0 or args.lr_warmup_samples < 0:
+        problems.append("--lr-warmup-iters / --lr-warmup-samples must be >= 0")
+    if args.lr_warmup_fraction is not None and not 0.0 <= args.lr_warmup_fraction < 1.0:
+        problems.append(f"--lr-warmup-fraction={args.lr_warmup_fraction} must be in [0, 1)")
+    for name in ("lr_decay_iters", "lr_decay_samples"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            problems.append(f"--{name.replace('_', '-')}={getattr(args, name)} must be positive")
     if args.clip_grad < 0:
         problems.append(f"--clip-grad={args.clip_grad} must be >= 0 (0 disables clipping)")
     return problems
@@ -102,9 +193,6 @@ def _data_parallel(args, world_size) -> list[str]:
     problems = []
     if args.use_megatron_fsdp and args.use_torch_fsdp2:  # Megatron-LM: the two are exclusive
         problems.append("--use-megatron-fsdp and --use-torch-fsdp2 are mutually exclusive; keep --use-megatron-fsdp")
-    elif args.use_torch_fsdp2:
-        problems.append("--use-torch-fsdp2 is not implemented by this script; use --use-megatron-fsdp "
-                        "(or no FSDP flag for PyTorch DDP)")
     if args.use_distributed_optimizer and not args.use_megatron_fsdp:
         problems.append("--use-distributed-optimizer without --use-megatron-fsdp (Megatron-LM's DDP + distributed "
                         "optimizer) is not implemented here; add --use-megatron-fsdp "
@@ -117,12 +205,9 @@ def _data_parallel(args, world_size) -> list[str]:
     instances = args.num_distributed_optimizer_instances
     if instances < 1:
         problems.append(f"--num-distributed-optimizer-instances={instances} must be >= 1")
-    elif instances > 1:
-        if not args.use_distributed_optimizer:  # Megatron-LM: partial DistOpt needs DistOpt
-            problems.append(f"--num-distributed-optimizer-instances={instances} needs --use-distributed-optimizer")
-        if world_size % instances:
-            problems.append(f"--num-distributed-optimizer-instances={instances} does not divide the data-parallel "
-                            f"size {world_size}; use a divisor of {world_size}")
+    elif instances > 1 and world_size % instances:
+        problems.append(f"--num-distributed-optimizer-instances={instances} does not divide the data-parallel "
+                        f"size {world_size}; use a divisor of {world_size}")
     return problems
 
 
@@ -130,26 +215,22 @@ def _megatron_fsdp(args, world_size) -> list[str]:
     problems = []
     fsdp_only = {
         "--fsdp-double-buffer": args.fsdp_double_buffer,
-        "--use-nccl-ub": args.use_nccl_ub,
         "--suggested-communication-unit-size": args.suggested_communication_unit_size is not None,
         f"--num-distributed-optimizer-instances={args.num_distributed_optimizer_instances}":
             args.num_distributed_optimizer_instances > 1,
         f"--outer-dp-sharding-strategy={args.outer_dp_sharding_strategy}":
             args.outer_dp_sharding_strategy != ShardingStrategy.NO_SHARD.label,
+        "--init-model-with-meta-device": args.init_model_with_meta_device,
     }
     if not args.use_megatron_fsdp:
         for flag, given in fsdp_only.items():
-            if given:
+            if given and flag != "--init-model-with-meta-device":
                 problems.append(f"{flag} only applies to Megatron-FSDP; add --use-megatron-fsdp or drop it")
+        if args.ckpt_format == "fsdp_dtensor":  # Megatron-LM rule
+            problems.append("--ckpt-format fsdp_dtensor is only used with --use-megatron-fsdp (Megatron-LM's rule); "
+                            "add --use-megatron-fsdp or use --ckpt-format torch_dist")
         return problems
     strategy = ShardingStrategy.parse(args.data_parallel_sharding_strategy, arg_name="--data-parallel-sharding-strategy")
-    # Megatron-LM: Megatron-FSDP runs on the distributed optimizer ...
-    if not args.use_distributed_optimizer:
-        problems.append("--use-megatron-fsdp needs --use-distributed-optimizer (Megatron-LM's rule); add it")
-    # ... and sharded gradients cannot use fused wgrad accumulation into main_grad.
-    if strategy.shards_grads and args.gradient_accumulation_fusion:
-        problems.append(f"--data-parallel-sharding-strategy={strategy.label} shards gradients, which Megatron-LM "
-                        "does not allow with gradient accumulation fusion; add --no-gradient-accumulation-fusion")
     if args.outer_dp_sharding_strategy == ShardingStrategy.OPTIM.label:
         if strategy is not ShardingStrategy.OPTIM_GRADS_PARAMS:
             problems.append(f"--outer-dp-sharding-strategy=optim (HFSDP) needs --data-parallel-sharding-strategy="
@@ -157,6 +238,9 @@ def _megatron_fsdp(args, world_size) -> list[str]:
         if args.num_distributed_optimizer_instances < 2:
             problems.append("--outer-dp-sharding-strategy=optim needs an outer group: set "
                             "--num-distributed-optimizer-instances >= 2 (or use no_shard)")
+    if args.init_model_with_meta_device and strategy is ShardingStrategy.NO_SHARD:  # Megatron-LM rule
+        problems.append("--init-model-with-meta-device is not supported (nor needed) with "
+                        "--data-parallel-sharding-strategy no_shard (Megatron-LM's rule); drop one")
     if args.suggested_communication_unit_size is not None and args.suggested_communication_unit_size <= 0:
         problems.append(f"--suggested-communication-unit-size={args.suggested_communication_unit_size} "
                         "must be a positive number of elements")
@@ -176,28 +260,39 @@ def _precision(args, world_size) -> list[str]:
     return problems
 
 
+def split_weights(split: str) -> list[float]:
+    """``--split`` as floats; quotes around it (a shell script's ``'99,1,0'``) are dropped."""
+    text = split.strip().strip("'\"").replace(" ", "")
+    weights = [float(w) for w in re_split(text)]
+    if not 1 <= len(weights) <= 3 or weights[0] <= 0 or any(w < 0 for w in weights):
+        raise ValueError(split)
+    return weights
+
+
+def re_split(text: str) -> list[str]:
+    return text.replace("/", ",").split(",")  # Megatron-LM accepts 969/30/1 too
+
+
 def _data(args, world_size) -> list[str]:
     problems = []
     if args.mock_data and args.data_path:  # Megatron-LM: a single data source
         problems.append("--mock-data and --data-path are exclusive; pick one data source")
-    for path in args.data_path or ():
-        if not os.path.isfile(path):
-            problems.append(f"--data-path {path!r}: no such file; pass plain-text files (or drop --data-path "
-                            "for the corpus in data/)")
-    tokenizer = TokenizerType(args.tokenizer_type) if args.tokenizer_type else None
-    if tokenizer is TokenizerType.NULL:
-        if not args.mock_data or args.vocab_size is None:
-            problems.append("--tokenizer-type NullTokenizer needs --mock-data and --vocab-size")
-    elif args.vocab_size is not None and args.vocab_size != BYTE_VOCAB_SIZE:
-        problems.append(f"--vocab-size={args.vocab_size} needs --tokenizer-type NullTokenizer --mock-data; "
+    tokenizer = args.tokenizer_type
+    if tokenizer == TokenizerType.NULL.value:
+        if args.vocab_size is None:
+            problems.append("--tokenizer-type NullTokenizer needs --vocab-size")
+    elif tokenizer in (None, TokenizerType.BYTE.value) and args.vocab_size is not None \
+            and args.vocab_size != BYTE_VOCAB_SIZE and not args.mock_data:
+        problems.append(f"--vocab-size={args.vocab_size} needs --tokenizer-type NullTokenizer (or --mock-data); "
                         f"the byte tokenizer has {BYTE_VOCAB_SIZE} tokens")
     try:
-        weights = [float(w) for w in args.split.replace(" ", "").split(",")]
-        if len(weights) > 3 or weights[0] <= 0 or any(w < 0 for w in weights):
-            raise ValueError
+        split_weights(args.split)
     except ValueError:
         problems.append(f"--split {args.split!r} must be up to three non-negative weights, train first and > 0, "
-                        "e.g. 969,30,1")
+                        "e.g. 969,30,1 or '99,1,0'")
+    from . import data_integration
+
+    problems += data_integration.validate(args)
     return problems
 
 
@@ -207,10 +302,16 @@ def _io(args, world_size) -> list[str]:
         problems.append(f"--save {args.save!r} needs a positive --save-interval")
     if args.ckpt_step is not None and args.load is None:
         problems.append(f"--ckpt-step={args.ckpt_step} needs --load DIR (the checkpoint root to read it from)")
+    if args.finetune and args.load is None:
+        problems.append("--finetune needs --load DIR (the checkpoint whose weights to start from)")
+    if args.async_save and args.save is None:
+        problems.append("--async-save needs --save DIR")
     if args.eval_iters < 0:
         problems.append(f"--eval-iters={args.eval_iters} must be >= 0 (0 disables evaluation)")
     if args.eval_iters > 0 and args.eval_interval <= 0:
         problems.append(f"--eval-interval={args.eval_interval} must be positive when --eval-iters > 0")
+    if args.timing_log_level not in (0, 1, 2):
+        problems.append(f"--timing-log-level={args.timing_log_level} must be 0, 1 or 2")
     return problems
 
 
@@ -222,7 +323,7 @@ def _optional_packages(args, world_size) -> list[str]:
                 "without CUDA)"]
     if not args.use_mcore_models:
         return []
-    if importlib.util.find_spec("megatron") is None:
+    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
         return ["--use-mcore-models needs megatron-core, which is not installed; run "
                 "`bash scripts/setup_megatron_core.sh` (pip install --no-deps megatron-core), or drop the flag "
                 "to train the embedded GPT"]
@@ -233,28 +334,95 @@ def _optional_packages(args, world_size) -> list[str]:
     return []
 
 
+# -- derived fields ---------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ScheduleUnits:
+    """The LR schedule's clock (Megatron-LM's OptimizerParamScheduler): iterations,
+    or samples with ``increment`` = global batch size per step."""
+
+    warmup_steps: int
+    decay_steps: int
+    increment: int
+    unit: str
+
+
+def derive_schedule(args) -> ScheduleUnits:
+    if args.train_samples is not None:
+        decay = args.lr_decay_samples if args.lr_decay_samples is not None else args.train_samples
+        warmup = args.lr_warmup_samples
+        increment, unit = args.global_batch_size, "samples"
+    else:
+        decay = args.lr_decay_iters if args.lr_decay_iters is not None else args.train_iters
+        warmup = args.lr_warmup_iters
+        increment, unit = 1, "iterations"
+    if args.lr_warmup_fraction is not None:
+        warmup = int(args.lr_warmup_fraction * decay)
+    return ScheduleUnits(warmup_steps=warmup, decay_steps=decay, increment=increment, unit=unit)
+
+
 def derive_fields(args: argparse.Namespace, world_size: int) -> None:
     """Fill Megatron-LM's derived values and parse strings into enums, once."""
+    warnings = args.flag_warnings
     args.world_size = world_size
     args.data_parallel_size = world_size
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * world_size
     args.num_microbatches = args.global_batch_size // (args.micro_batch_size * world_size)
-    if args.lr_decay_iters is None:
-        args.lr_decay_iters = args.train_iters
+    if args.train_samples is not None:  # Megatron-LM: constant batch size -> whole iterations
+        args.train_iters = args.train_samples // args.global_batch_size
+    args.schedule = derive_schedule(args)
+    if args.schedule.warmup_steps and args.schedule.warmup_steps >= args.schedule.decay_steps:
+        raise_problem(f"the warmup ({args.schedule.warmup_steps} {args.schedule.unit}) must end before the decay "
+                      f"horizon ({args.schedule.decay_steps} {args.schedule.unit}); shorten the warmup or lengthen "
+                      "the decay")
+    if args.use_megatron_fsdp and not args.use_distributed_optimizer:
+        # Megatron-LM turns the distributed optimizer on itself (and warns).
+        args.use_distributed_optimizer = True
     if args.ffn_hidden_size is None:
         args.ffn_hidden_size = 4 * args.hidden_size
+    if args.kv_channels is None:
+        args.kv_channels = args.hidden_size // args.num_attention_heads
+    if not args.group_query_attention:
+        args.num_query_groups = args.num_attention_heads
+    if args.recompute_activations:  # Megatron-LM's alias
+        args.recompute_granularity = "full"
+    if isinstance(args.moe_aux_loss_coeff, list):
+        args.moe_aux_loss_coeff = args.moe_aux_loss_coeff[0]
+    if args.grad_reduce_in_bf16 and args.megatron_fsdp_grad_comm_dtype == "auto":
+        args.megatron_fsdp_grad_comm_dtype = "bf16"
+    args.split = args.split.strip().strip("'\"")
     args.zero_strategy = ShardingStrategy.parse(args.data_parallel_sharding_strategy)
     args.outer_strategy = ShardingStrategy.parse(args.outer_dp_sharding_strategy)
     args.lr_decay = LRDecayStyle(args.lr_decay_style)
     args.precision = Precision.BF16 if args.bf16 else Precision.FP16 if args.fp16 else Precision.FP32
     if args.tokenizer_type is None:
-        args.tokenizer_type = TokenizerType.BYTE.value
-    args.tokenizer = TokenizerType(args.tokenizer_type)
-    if args.tokenizer is TokenizerType.BYTE:
+        args.tokenizer_type = (TokenizerType.NULL.value if args.mock_data and args.vocab_size is not None
+                               else TokenizerType.BYTE.value)
+    if args.tokenizer_type == TokenizerType.BYTE.value:
         args.vocab_size = BYTE_VOCAB_SIZE
+    # Megatron-LM's NullTokenizer adds an end-of-document token after the vocabulary.
+    tokenizer_vocab = args.vocab_size + 1 if args.tokenizer_type == TokenizerType.NULL.value else args.vocab_size
+    args.padded_vocab_size = (padded_vocab_size(tokenizer_vocab, args.make_vocab_size_divisible_by)
+                              if tokenizer_vocab is not None else None)
     if args.plot_path is not None and args.plot_path.lower() == "none":
         args.plot_path = None
     # Megatron-LM: dynamic loss scaling treats Inf/NaN gradients as a signal, not an error.
     if args.fp16 and args.loss_scale is None:
         args.check_for_nan_in_loss_and_grad = False
+    if args.tensorboard_dir and importlib.util.find_spec("tensorboard") is None:
+        warnings.append(f"--tensorboard-dir {args.tensorboard_dir}: the tensorboard package is not installed, so no "
+                        "TensorBoard events will be written; `pip install tensorboard` (scripts/setup_env.sh does)")
+    if args.wandb_project and importlib.util.find_spec("wandb") is None:
+        warnings.append(f"--wandb-project {args.wandb_project}: the wandb package is not installed, so nothing is "
+                        "logged to Weights & Biases; `pip install wandb` (and WANDB_MODE=offline without a login)")
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int) -> int:
+    """Megatron-LM pads the vocabulary to a multiple of ``divisible_by`` (x TP size, 1 here)."""
+    return int(math.ceil(vocab_size / divisible_by) * divisible_by)
+
+
+def raise_problem(message: str) -> None:
+    from .arg_types import ArgumentError
+
+    raise ArgumentError("invalid arguments:\n  - " + message)
