@@ -1,0 +1,288 @@
+"""The launcher's argument table (megatron_fsdp/training/flag_data/) and Megatron-LM's
+validation rules, without processes; plus one short 2-rank run in the style of
+Megatron-LM's Llama-3-8B Megatron-FSDP script whose TensorBoard events are read back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_fsdp.training.arguments import ArgumentError, build_parser, parse_args, suggest_flag
+from megatron_fsdp.training.flag_table import FlagStatus, load_flag_table
+from megatron_fsdp.training.logging_utils import IntervalStats, format_iteration_line
+from megatron_fsdp.training.lr_schedule import LRSchedule
+from megatron_fsdp.training.arg_types import LRDecayStyle
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "scripts" / "pretrain_gpt.py"
+TABLE = load_flag_table()
+BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
+        "--micro-batch-size 2 --lr 3e-3").split()
+
+
+def _parse(extra: list[str], world_size: int = 2, base=BASE, iters=("--train-iters", "8")):
+    return parse_args([*base, *iters, *extra], world_size=world_size)
+
+
+# -- the table ---------------------------------------------------------------------------
+def test_flag_data_names_its_megatron_commit_and_the_families():
+    assert re.fullmatch(r"[0-9a-f]{40}", TABLE.megatron_commit)
+    family = [s for s in TABLE.specs if s.used_by]
+    # The GPT-3 / Llama-3 / DeepSeek-V3 Megatron-FSDP scripts, recipes and docs use ~180 flags.
+    assert len(family) >= 170
+    assert {"--use-megatron-fsdp", "--swiglu", "--num-experts", "--ckpt-format", "--split"} <= {s.flag for s in family}
+
+
+def test_every_family_flag_has_a_verdict_in_the_launcher_table():
+    unlisted = [s.flag for s in TABLE.specs if s.used_by and s.status is FlagStatus.UNLISTED]
+    assert unlisted == []
+
+
+def test_every_megatron_flag_is_recognised_by_the_parser():
+    """No Megatron-LM flag (of the 838 in the pinned parser) is an 'unrecognized argument'."""
+    parser = build_parser(TABLE)
+    known = {opt for action in parser._actions for opt in action.option_strings}
+    missing = [opt for spec in TABLE.specs for opt in spec.options if opt not in known]
+    assert missing == []
+    assert len([s for s in TABLE.specs if s.megatron]) > 800
+
+
+def _sample_value(spec) -> list[str]:
+    if spec.is_bool:
+        return []
+    if spec.supported:
+        return [str(spec.supported[0])]
+    if spec.choices:
+        return [str(spec.choices[0])]
+    value = {int: "1", float: "0.5"}.get(spec.type, "x")
+    return [value] * (int(spec.nargs) if (spec.nargs or "").isdigit() else 1)
+
+
+@pytest.mark.parametrize("spec", [s for s in TABLE.specs if s.used_by], ids=lambda s: s.flag)
+def test_each_family_flag_is_used_warned_or_rejected_with_its_reason(spec):
+    """Every flag of the families parses; validation then uses it, warns once why it
+    has no effect, or rejects it naming the flag -- never argparse's 'unrecognized'."""
+    parser = build_parser(TABLE)
+    args = parser.parse_args([*BASE, "--train-iters", "8", spec.flag, *_sample_value(spec)])
+    assert isinstance(args, argparse.Namespace)
+    from megatron_fsdp.training.arguments import given_flags
+    from megatron_fsdp.training.validation import flag_policy
+
+    args.use_mcore_models = args.deprecated_use_mcore_models
+    problems, warnings = flag_policy(args, given_flags([spec.flag], TABLE))
+    if spec.status is FlagStatus.REJECTED:
+        assert len(problems) == 1 and spec.flag in problems[0] and spec.note in problems[0]
+    elif spec.status in (FlagStatus.NOOP, FlagStatus.NOOP_ONLY):
+        assert problems == [] and len(warnings) == 1 and spec.flag in warnings[0] and "no effect here" in warnings[0]
+    else:
+        assert problems == [] and warnings == []
+
+
+def test_values_outside_the_supported_set_are_rejected_naming_value_and_support():
+    with pytest.raises(ArgumentError, match=r"--tensor-model-parallel-size 8 is not supported here; supported: 1"):
+        _parse(["--tensor-model-parallel-size", "8"])
+    with pytest.raises(ArgumentError, match=r"--position-embedding-type yarn is not supported here"):
+        _parse(["--position-embedding-type", "yarn"])
+    args = _parse(["--tensor-model-parallel-size", "1", "--manual-gc", "--no-gradient-accumulation-fusion"])
+    assert len(args.flag_warnings) == 3 and all("no effect here" in w for w in args.flag_warnings)
+
+
+def test_unlisted_megatron_flag_is_rejected_not_unrecognized():
+    with pytest.raises(ArgumentError, match=r"--rl-partial-rollouts is a Megatron-LM flag \(rl\) that this "
+                                            r"launcher does not implement"):
+        _parse(["--rl-partial-rollouts"])
+
+
+def test_did_you_mean_only_for_a_clear_typo():
+    known = list(TABLE.by_option)
+    assert suggest_flag("--use-megatorn-fsdp", known) == "--use-megatron-fsdp"
+    assert suggest_flag("--hidden", known) is None  # several flags start like this: no guess
+    assert suggest_flag("--frobnicate", known) is None
+
+
+# -- Megatron-LM's rules -------------------------------------------------------------------
+def test_megatron_fsdp_turns_on_the_distributed_optimizer_itself():
+    args = _parse(["--use-megatron-fsdp"])  # Megatron-LM's minimal FSDP command
+    assert args.use_distributed_optimizer and args.zero_strategy.label == "optim_grads_params"
+
+
+@pytest.mark.parametrize("fmt", ["fsdp_dtensor", "torch_dist"])
+def test_ckpt_formats_accepted_with_fsdp(fmt):
+    assert _parse(["--use-megatron-fsdp", "--ckpt-format", fmt]).ckpt_format == fmt
+
+
+def test_ckpt_format_torch_is_rejected_and_fsdp_dtensor_needs_fsdp():
+    with pytest.raises(ArgumentError, match="--ckpt-format torch is not supported here"):
+        _parse(["--use-megatron-fsdp", "--ckpt-format", "torch"])
+    with pytest.raises(ArgumentError, match="fsdp_dtensor is only used with --use-megatron-fsdp"):
+        _parse(["--ckpt-format", "fsdp_dtensor"])
+
+
+def test_split_with_shell_quotes():
+    # Megatron-LM's Llama-3 script passes "--split '99,1,0'" through an unquoted array: the quotes arrive.
+    args = _parse(shlex.split("--split \"'99,1,0'\""))
+    assert args.split == "99,1,0"
+
+
+def test_sample_based_training_and_schedule():
+    args = _parse(["--global-batch-size", "8", "--train-samples", "80", "--lr-decay-samples", "64",
+                   "--lr-warmup-samples", "16"], iters=())
+    assert args.train_iters == 10
+    sched = LRSchedule.from_args(args)
+    assert (sched.warmup_steps, sched.decay_steps, sched.increment) == (16, 64, 8)
+    assert sched.lr_at(8) == pytest.approx(3e-3 * 8 / 16)
+    with pytest.raises(ArgumentError, match="--lr-decay-iters=5 with --train-samples"):
+        _parse(["--train-samples", "80", "--lr-decay-iters", "5"], iters=())
+    with pytest.raises(ArgumentError, match="--lr-warmup-samples=4 needs sample-based training"):
+        _parse(["--lr-warmup-samples", "4"])
+
+
+def test_lr_warmup_fraction():
+    args = _parse(["--lr-warmup-fraction", "0.25", "--lr-decay-iters", "40"])
+    assert LRSchedule.from_args(args).warmup_steps == 10
+
+
+def test_use_nccl_ub_fails_at_validation_with_the_reason():
+    with pytest.raises(ArgumentError, match=r"--use-nccl-ub: NCCL user-buffer registration .* not implemented"):
+        _parse(["--use-megatron-fsdp", "--use-nccl-ub"])
+
+
+def test_every_problem_is_reported_at_once():
+    with pytest.raises(ArgumentError) as info:
+        _parse(["--tensor-model-parallel-size", "2", "--use-nccl-ub", "--bf16", "--fp16"])
+    assert str(info.value).count("\n  - ") == 3
+
+
+# -- YAML configs ---------------------------------------------------------------------------
+RECIPE = """\
+ENV_VARS:
+  NCCL_ALGO: Ring
+MODEL_ARGS:
+  --num-layers: 2
+  --hidden-size: 64
+  --num-attention-heads: 4
+  --seq-length: 32
+  --max-position-embeddings: 32
+  --micro-batch-size: 2
+  --global-batch-size: 8
+  --train-iters: 8
+  --lr: 0.003
+  --use-megatron-fsdp: true
+  --data-parallel-sharding-strategy: "optim_grads_params"
+  --ckpt-format: "fsdp_dtensor"
+  --log-params-norm: true
+  --tensorboard-dir: ${I15_TB_DIR}
+  --split: 949,50,1
+  --manual-gc: true
+  --deterministic-mode: false
+TEST_TYPE: regular
+"""
+
+
+def test_megatron_recipe_yaml(tmp_path, monkeypatch):
+    monkeypatch.setenv("I15_TB_DIR", str(tmp_path / "tb"))
+    config = tmp_path / "model_config.yaml"
+    config.write_text(RECIPE)
+    args = parse_args(["--config", str(config)], world_size=2)
+    assert args.use_megatron_fsdp and args.log_params_norm and args.tensorboard_dir == str(tmp_path / "tb")
+    assert args.split == "949,50,1" and not args.deterministic_mode
+    assert any("--manual-gc" in w for w in args.flag_warnings)
+
+
+def test_yaml_reports_every_unknown_key_in_one_message(tmp_path):
+    config = tmp_path / "bad.yaml"
+    config.write_text("MODEL_ARGS:\n  --num-layers: 2\n  --hiden-size: 64\n  --frobnicate: 1\n  --not-a-flag: true\n")
+    with pytest.raises(ArgumentError) as info:
+        parse_args(["--config", str(config)], world_size=2)
+    message = str(info.value)
+    assert "unknown key '--hiden-size' (did you mean 'hidden-size'?)" in message
+    assert "unknown key '--frobnicate'" in message and "unknown key '--not-a-flag'" in message
+
+
+# -- the iteration line ----------------------------------------------------------------------
+class _Result:
+    def __init__(self, loss, skipped=False, nan=False):
+        self.lm_loss, self.skipped, self.nan = loss, skipped, nan
+
+
+def test_iteration_line_matches_megatron_training_log():
+    stats = IntervalStats()
+    for result in (_Result(2.0), _Result(float("nan"), skipped=True, nan=True), _Result(4.0)):
+        stats.add(result, 0.5)
+    line = format_iteration_line(
+        iteration=30, train_iters=100, consumed_samples=240, stats=stats, throughput=12.34, learning_rate=1e-4,
+        global_batch_size=8, loss_scale=1.0, grad_norm=0.5, num_zeros=7, params_norm=12.5,
+        now=datetime.datetime(2026, 1, 2, 3, 4, 5, 678901))
+    # Skipped iterations are not averaged into the loss, but count in the time per iteration.
+    assert line == (" [2026-01-02 03:04:05.678901] iteration       30/     100 | consumed samples:          240 | "
+                    "elapsed time per iteration (ms): 500.0 | throughput per GPU (TFLOP/s/GPU): 12.3 | "
+                    "learning rate: 1.000000E-04 | global batch size:     8 | lm loss: 3.000000E+00 | "
+                    "loss scale: 1.0 | grad norm: 0.500 | num zeros: 7 | params norm: 12.500 | "
+                    "number of skipped iterations:   1 | number of nan iterations:   1 |")
+
+
+def test_schedule_does_not_advance_on_skipped_iterations():
+    from megatron_fsdp.training import training_step
+
+    source = Path(training_step.__file__).read_text()
+    # The schedule steps inside the branch that applied the update (Megatron-LM's rule).
+    applied = source.index("bundle.optimizer.step()")
+    assert source.index("ctx.schedule.step()") > applied
+    assert "else:\n        with ctx.timers.time(\"optimizer\"):" in source
+    sched = LRSchedule(max_lr=1.0, min_lr=0.0, warmup_steps=0, decay_steps=10, style=LRDecayStyle.LINEAR)
+    assert sched.current_lr == 1.0
+
+
+# -- one run: Llama-3-8B-style command line, TensorBoard read back ------------------------------
+def test_llama_style_run_writes_tensorboard_events(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = tmp_path / "tb"
+    # Megatron-LM's Llama-3-8B Megatron-FSDP script, scaled down (2 layers, hidden 64, 2 CPU ranks).
+    cmd = f"""
+        --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32
+        --attention-dropout 0.0 --hidden-dropout 0.0 --init-method-std 0.02 --attention-backend fused
+        --micro-batch-size 2 --global-batch-size 8 --train-samples 96 --lr-decay-samples 96 --lr-warmup-samples 16
+        --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --clip-grad 1.0 --weight-decay 0.1
+        --adam-beta1 0.9 --adam-beta2 0.95 --cross-entropy-loss-fusion --manual-gc --empty-unused-memory-level 1
+        --exit-duration-in-mins 235 --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params
+        --no-gradient-accumulation-fusion --calculate-per-token-loss --init-model-with-meta-device
+        --ckpt-format fsdp_dtensor --fsdp-double-buffer --tensor-model-parallel-size 1 --context-parallel-size 1
+        --sequence-parallel --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather
+        --split '99,1,0' --no-create-attention-mask-in-dataloader --no-mmap-bin-files --num-workers 1
+        --log-interval 4 --eval-iters 1 --eval-interval 6 --log-throughput --logging-level 20
+        --distributed-timeout-minutes 60 --tensorboard-dir {tb} --log-timers-to-tensorboard --timing-log-level 1
+        --log-memory-to-tensorboard --log-validation-ppl-to-tensorboard --log-params-norm --log-num-zeros-in-grad
+        --plot-path none
+    """
+    env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PATH": "/usr/bin:/bin",
+           "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(SCRIPT), *shlex.split(cmd)], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    warnings = [line for line in proc.stdout.splitlines() if line.startswith("WARNING: --")]
+    assert len(warnings) == len(set(warnings)) >= 8  # one line per flag with no effect, rank 0 only
+    assert "WARNING: --manual-gc" in proc.stdout and "[rank 1] WARNING: --manual-gc" not in proc.stderr
+    assert "iteration       12/      12" in proc.stdout and "throughput per GPU" in proc.stdout
+    acc = EventAccumulator(str(tb))
+    acc.Reload()
+    scalars = set(acc.Tags()["scalars"])
+    for tag in ("lm loss", "learning-rate", "grad-norm", "params-norm", "num-zeros", "iteration-time",
+                "throughput", "forward-backward-time", "optimizer-time", "mem-rss-bytes", "lm loss validation",
+                "lm loss validation ppl"):
+        assert tag in scalars, (tag, sorted(scalars))
+    losses = [e.value for e in acc.Scalars("lm loss")]
+    assert [e.step for e in acc.Scalars("lm loss")] == list(range(1, 13))
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.5, losses
+    lrs = [e.value for e in acc.Scalars("learning-rate")]
+    assert lrs[0] == 0.0 and lrs[2] == pytest.approx(3e-3)  # warmup over 16 samples = 2 iterations
