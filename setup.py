@@ -7,11 +7,16 @@ setup(
     long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
     long_description_content_type="text/markdown",
     packages=find_packages(include=["megatron_fsdp", "megatron_fsdp.*"]),
+    # The launcher's argument table (Megatron-LM's flags and what the launcher does with them).
+    package_data={"megatron_fsdp.training": ["flag_data/*.csv", "flag_data/*.table"]},
     python_requires=">=3.10",
     install_requires=["torch>=2.6"],
     extras_require={
         "test": ["pytest>=7", "pyyaml", "matplotlib"],
         "scripts": ["pyyaml", "matplotlib"],
+        # Dashboards of scripts/pretrain_gpt.py: --tensorboard-dir (and --wandb-project).
+        "dashboards": ["tensorboard"],
+        "wandb": ["wandb"],
         # Megatron-core is optional: FullyShardedDataParallel accepts its configs and
         # GPT model. Install it without dependencies on CPU machines (see README).
         "megatron": ["megatron-core>=0.16"],

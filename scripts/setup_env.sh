@@ -12,6 +12,9 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
 fi
 "$PY" -m pip install -q --no-deps -e .
 "$PY" -m pip install -q "pytest>=7" pyyaml matplotlib
+# Optional dashboards extra: TensorBoard events for --tensorboard-dir (tensorboard does
+# not depend on torch, so this never replaces the installed torch).
+"$PY" -m pip install -q tensorboard
 if [ -f scripts/setup_megatron_core.sh ]; then
   bash scripts/setup_megatron_core.sh
 fi
