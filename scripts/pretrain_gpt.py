@@ -21,7 +21,6 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import signal
 import sys
 import time
 
@@ -44,6 +43,7 @@ from megatron_fsdp.training.logging_utils import (
     validation_ppl,
 )
 from megatron_fsdp.training import tensorboard as dashboards_mod
+from megatron_fsdp.training.exit_conditions import ExitConditions
 from megatron_fsdp.training.timers import Timers
 from megatron_fsdp.training.loss_scaler import LossScaler
 from megatron_fsdp.training.lr_schedule import LRSchedule
@@ -121,42 +121,6 @@ def maybe_evaluate(args, ctx, state, valid_src, metrics, dash) -> None:
     metrics.validation.append((state.iteration, loss))
     dashboards_mod.write_validation_scalars(dash, args, loss, validation_ppl(loss), state.iteration,
                                             state.consumed_train_samples)
-
-
-class ExitConditions:
-    """Megatron-LM's ways to stop early, each after saving: --exit-interval,
-    --exit-duration-in-mins and --exit-signal-handler (SIGTERM by default). The
-    duration and signal are per rank, so the decision is all-reduced: every rank
-    stops at the same iteration."""
-
-    def __init__(self, args, device: torch.device) -> None:
-        self.args = args
-        self.device = device
-        self.start = time.time()
-        self.signal_received = False
-        if args.exit_signal_handler:
-            signal.signal(signal.Signals[args.exit_signal], self._on_signal)
-
-    def _on_signal(self, signum, frame) -> None:
-        self.signal_received = True
-
-    def reason(self, iteration: int) -> str | None:
-        args = self.args
-        if args.exit_interval and iteration % args.exit_interval == 0:
-            return f"--exit-interval {args.exit_interval}"
-        flags = torch.tensor([0, 0], dtype=torch.int32, device=self.device)
-        if args.exit_duration_in_mins is not None:
-            flags[0] = int((time.time() - self.start) / 60.0 > args.exit_duration_in_mins)
-        if args.exit_signal_handler:
-            flags[1] = int(self.signal_received)
-        if args.exit_duration_in_mins is None and not args.exit_signal_handler:
-            return None
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        if flags[0]:
-            return f"--exit-duration-in-mins {args.exit_duration_in_mins}"
-        if flags[1]:
-            return f"signal {args.exit_signal} (--exit-signal-handler)"
-        return None
 
 
 class Saver:
@@ -252,6 +216,7 @@ def train(args, ctx: StepContext, state: TrainState, train_src, valid_src, metri
                 saver.save(state)
             logger.info("exiting program at iteration %d (%s)", state.iteration, reason)
             break
+    exits.close()
     return saver
 
 

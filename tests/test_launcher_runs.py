@@ -1,0 +1,166 @@
+"""2-rank CPU runs of scripts/pretrain_gpt.py with command lines written like
+Megatron-LM's example scripts (scaled down), and the launcher's exit / checkpoint /
+dashboard flags.
+
+* GPT-3 (examples/gpt3/train_gpt3_175b_distributed.sh shape, fp32 so that the two
+  wrappers are comparable bit for bit): Megatron-FSDP ZeRO-3 equals PyTorch DDP at
+  every iteration (1e-5) and the loss falls.
+* ``--async-save`` publishes Megatron's layout; ``--finetune`` restarts from its
+  weights at iteration 0; ``--no-load-optim`` resumes progress without optimizer state.
+* ``--exit-signal-handler`` / ``--exit-duration-in-mins``: every rank stops together.
+* ``--wandb-project`` logs through the wandb package (a recording stand-in here).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "scripts" / "pretrain_gpt.py"
+
+# Megatron-LM's GPT-3 175B script, scaled down: 96 -> 2 layers, 12288 -> 64 hidden, 2 CPU ranks,
+# TP 8 / PP 16 -> 1 (data parallel only here), --fp16 left out (see the module docstring).
+GPT3_STYLE = """
+    --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32
+    --attention-backend auto
+    --micro-batch-size 2 --global-batch-size 8 --train-iters 12 --weight-decay 0.1 --adam-beta1 0.9
+    --adam-beta2 0.95 --init-method-std 0.006 --clip-grad 1.0 --lr 6.0e-3 --lr-decay-style cosine
+    --min-lr 6.0e-4 --lr-warmup-fraction .1 --lr-decay-iters 12
+    --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1
+    --split 949,50,1
+    --log-interval 4 --eval-interval 6 --eval-iters 1 --plot-path none
+    --hidden-dropout 0.0 --attention-dropout 0.0
+"""
+FSDP_FLAGS = "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --ckpt-format fsdp_dtensor"
+
+
+def torchrun(args: list[str], env_extra: dict | None = None, timeout: int = 240) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO))
+    env.update(env_extra or {})
+    env.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
+    if "WANDB_MODE" not in (env_extra or {}):
+        env.pop("WANDB_MODE", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(SCRIPT), *args]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{' '.join(args)}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def metrics(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def test_gpt3_style_command_fsdp_equals_ddp_every_iteration(tmp_path):
+    ddp = tmp_path / "ddp.json"
+    fsdp = tmp_path / "fsdp.json"
+    torchrun(shlex.split(GPT3_STYLE) + ["--log-json", str(ddp)])
+    proc = torchrun(shlex.split(GPT3_STYLE + FSDP_FLAGS) + ["--log-json", str(fsdp)])
+    assert "Megatron-FSDP (optim_grads_params)" in proc.stdout
+    a, b = metrics(fsdp), metrics(ddp)
+    assert a["iterations"] == b["iterations"] == list(range(1, 13))
+    for it, x, y in zip(a["iterations"], a["lm_loss"], b["lm_loss"]):
+        assert abs(x - y) <= 1e-5, f"iteration {it}: Megatron-FSDP {x} vs DDP {y}"
+    assert a["learning_rate"] == b["learning_rate"]
+    assert sum(a["lm_loss"][-3:]) / 3 < sum(a["lm_loss"][:3]) / 3 - 0.5, a["lm_loss"]
+
+
+def test_async_save_then_finetune_and_no_load_optim(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    base = shlex.split(GPT3_STYLE + FSDP_FLAGS)
+    first = tmp_path / "first.json"
+    proc = torchrun(base + ["--train-iters", "8", "--lr-decay-iters", "8", "--save", str(ckpt),
+                            "--save-interval", "4", "--async-save", "--log-json", str(first)])
+    assert "successfully saved checkpoint from iteration       8" in proc.stdout
+    assert sorted(p.name for p in ckpt.iterdir()) == ["iter_0000004", "iter_0000008",
+                                                      "latest_checkpointed_iteration.txt"]
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "8"
+
+    tuned = tmp_path / "tuned.json"
+    proc = torchrun(base + ["--train-iters", "2", "--lr-decay-iters", "2", "--lr-warmup-fraction", "0",
+                            "--load", str(ckpt), "--finetune", "--log-json", str(tuned)])
+    assert "--finetune: loaded the weights only" in proc.stdout
+    tuned_metrics = metrics(tuned)
+    assert tuned_metrics["iterations"] == [1, 2]  # progress restarts
+    # The weights were loaded: the first loss is that of the trained model, not of a fresh one.
+    assert tuned_metrics["lm_loss"][0] < metrics(first)["lm_loss"][0] - 0.5
+
+    resumed = tmp_path / "resumed.json"
+    proc = torchrun(base + ["--train-iters", "10", "--lr-decay-iters", "10", "--load", str(ckpt), "--ckpt-step", "4",
+                            "--no-load-optim", "--log-json", str(resumed)])
+    assert "resuming at iteration 4" in proc.stdout
+    assert metrics(resumed)["iterations"] == list(range(5, 11))
+
+
+# -- exit conditions (in the shared gloo worker pool) ---------------------------------------
+def _exit_task(rank: int, world: int, *, which: str) -> str | None:
+    import time
+
+    import torch
+
+    from megatron_fsdp.training.exit_conditions import ExitConditions
+
+    args = types.SimpleNamespace(exit_interval=None, exit_duration_in_mins=None, exit_signal_handler=False,
+                                 exit_signal="SIGTERM")
+    if which == "signal":
+        args.exit_signal_handler = True
+    else:
+        args.exit_duration_in_mins = 1
+    exits = ExitConditions(args, torch.device("cpu"))
+    try:
+        before = exits.reason(1)
+        if rank == 0:  # only one rank is signalled / over time: the decision is still collective
+            if which == "signal":
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.1)
+            else:
+                exits.start -= 120
+        return f"{before}|{exits.reason(2)}"
+    finally:
+        exits.close()
+
+
+@pytest.mark.parametrize("which, reason", [("signal", "signal SIGTERM (--exit-signal-handler)"),
+                                           ("duration", "--exit-duration-in-mins 1")])
+def test_exit_conditions_stop_every_rank_together(pool2, which, reason):
+    assert pool2.run(_exit_task, which=which) == [f"None|{reason}"] * 2
+
+
+# -- W&B ------------------------------------------------------------------------------------
+FAKE_WANDB = '''
+import json, os
+_log = os.environ["FAKE_WANDB_LOG"]
+class _Run:
+    def log(self, data, step=None):
+        with open(_log, "a") as f: f.write(json.dumps({"log": data, "step": step}) + "\\n")
+    def finish(self):
+        with open(_log, "a") as f: f.write(json.dumps({"finish": True}) + "\\n")
+def init(**kwargs):
+    with open(_log, "a") as f:
+        f.write(json.dumps({"init": {k: kwargs[k] for k in ("project", "name")}, "mode": os.environ.get("WANDB_MODE")}) + "\\n")
+    return _Run()
+'''
+
+
+def test_wandb_project_logs_offline_through_wandb(tmp_path):
+    stub = tmp_path / "stub"
+    stub.mkdir()
+    (stub / "wandb.py").write_text(FAKE_WANDB)
+    log = tmp_path / "wandb.jsonl"
+    env = {"PYTHONPATH": f"{stub}{os.pathsep}{REPO}", "FAKE_WANDB_LOG": str(log)}
+    torchrun(shlex.split(GPT3_STYLE) + ["--train-iters", "3", "--lr-decay-iters", "3", "--wandb-project", "proj",
+                                        "--wandb-exp-name", "run1", "--wandb-save-dir", str(tmp_path / "w")],
+             env_extra=env)
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert records[0] == {"init": {"project": "proj", "name": "run1"}, "mode": "offline"}  # one writer: rank 0
+    losses = [r for r in records if "log" in r and "lm loss" in r["log"]]
+    assert [r["step"] for r in losses] == [1, 2, 3]
+    assert records[-1] == {"finish": True}
