@@ -231,7 +231,8 @@ def run(args, device: torch.device) -> int:
                       per_token_loss=args.calculate_per_token_loss,
                       check_for_nan=args.check_for_nan_in_loss_and_grad,
                       timers=Timers(args.timing_log_level, args.timing_log_option, device),
-                      log_params_norm=args.log_params_norm, log_num_zeros=args.log_num_zeros_in_grad)
+                      log_params_norm=args.log_params_norm, log_num_zeros=args.log_num_zeros_in_grad,
+                      seq_length=args.seq_length)
     state = TrainState()
     if args.load:
         restore(args, ctx, state)

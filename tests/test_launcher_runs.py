@@ -73,6 +73,46 @@ def test_gpt3_style_command_fsdp_equals_ddp_every_iteration(tmp_path):
     assert sum(a["lm_loss"][-3:]) / 3 < sum(a["lm_loss"][:3]) / 3 - 0.5, a["lm_loss"]
 
 
+# Megatron-LM's Llama-3-8B Megatron-FSDP script, scaled down (32 -> 2 layers, 4096 -> 64 hidden, 32 -> 4
+# heads with 8 -> 2 query groups, 14336 -> 192 FFN; the byte-level corpus instead of mock data).
+LLAMA3_STYLE = """
+    --use-mcore-models --num-layers 2 --hidden-size 64 --ffn-hidden-size 192 --num-attention-heads 4
+    --group-query-attention --num-query-groups 2 --kv-channels 16 --seq-length 32 --max-position-embeddings 32
+    --position-embedding-type rope --rotary-base 1000000 --rotary-percent 1.0 --attention-dropout 0.0
+    --hidden-dropout 0.0 --swiglu --normalization RMSNorm --init-method-std 0.0134 --attention-backend fused
+    --apply-layernorm-1p --untie-embeddings-and-output-weights --disable-bias-linear
+    --micro-batch-size 1 --global-batch-size 8 --train-samples 96 --lr-decay-samples 96 --lr-warmup-samples 8
+    --lr 5e-3 --min-lr 5e-4 --lr-decay-style cosine --clip-grad 1.0 --weight-decay 0.1 --adam-beta1 0.9
+    --adam-beta2 0.95 --cross-entropy-loss-fusion --calculate-per-token-loss --manual-gc
+    --empty-unused-memory-level 1 --exit-duration-in-mins 235
+    --tensor-model-parallel-size 1 --context-parallel-size 1 --sequence-parallel
+    --split '99,1,0'
+    --no-create-attention-mask-in-dataloader --no-mmap-bin-files --num-workers 1
+    --log-interval 4 --eval-iters 1 --eval-interval 6 --log-throughput --distributed-timeout-minutes 60
+    --plot-path none
+"""
+# The script's Megatron-FSDP branch (with its DDP_ARGS); the reference is PyTorch DDP (no such flags).
+LLAMA3_FSDP = """--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --no-gradient-accumulation-fusion
+    --init-model-with-meta-device --ckpt-format fsdp_dtensor --fsdp-double-buffer
+    --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather"""
+MOE = " --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 48 --moe-aux-loss-coeff 1e-2 --moe-layer-freq [0]*1+[1]*1 "
+
+
+@pytest.mark.parametrize("family", ["llama3", "llama3_moe"])
+def test_llama3_style_command_fsdp_equals_ddp_every_iteration(tmp_path, family):
+    # --use-mcore-models needs CUDA; on CPU the same command trains the embedded model.
+    base = LLAMA3_STYLE.replace("--use-mcore-models", "") + (MOE if family == "llama3_moe" else "")
+    ddp, fsdp = tmp_path / "ddp.json", tmp_path / "fsdp.json"
+    torchrun(shlex.split(base) + ["--log-json", str(ddp)])
+    proc = torchrun(shlex.split(base + LLAMA3_FSDP) + ["--log-json", str(fsdp)])
+    assert "WARNING: --apply-layernorm-1p: accepted, no effect here" in proc.stdout
+    a, b = metrics(fsdp), metrics(ddp)
+    assert a["iterations"] == b["iterations"] == list(range(1, 13))
+    for it, x, y in zip(a["iterations"], a["lm_loss"], b["lm_loss"]):
+        assert abs(x - y) <= 1e-5, f"iteration {it}: Megatron-FSDP {x} vs DDP {y}"
+    assert sum(a["lm_loss"][-3:]) / 3 < sum(a["lm_loss"][:3]) / 3 - 0.3, a["lm_loss"]
+
+
 def test_async_save_then_finetune_and_no_load_optim(tmp_path):
     ckpt = tmp_path / "ckpt"
     base = shlex.split(GPT3_STYLE + FSDP_FLAGS)

@@ -110,6 +110,8 @@ class AsyncSaver:
         self.finalize()
         # The same layout and per-rank extra-state files as the synchronous save.
         from megatron_fsdp.checkpoint import EXTRA_STATE_FILE, _state
+        from megatron_fsdp.state_dict import clone_for_load
+        from torch.utils._pytree import tree_map
 
         rank = dist.get_rank()
         final = checkpoint_dir(root, iteration)
@@ -120,7 +122,10 @@ class AsyncSaver:
             os.makedirs(tmp)
         dist.barrier()
         torch.save(extra_state, os.path.join(tmp, EXTRA_STATE_FILE.format(rank=rank)))
-        future = dcp.async_save(_state(model, optimizer), checkpoint_id=tmp, process_group=self._group)
+        # A private copy first: ZeRO-3 releases (resizes to zero) storages that DCP's own
+        # stager would try to copy whole; compact clones keep the DCP chunk metadata.
+        staged = tree_map(clone_for_load, _state(model, optimizer))
+        future = dcp.async_save(staged, checkpoint_id=tmp, process_group=self._group)
         self._pending = (future, root, tmp, iteration)
         logger.info("  started an asynchronous save of iteration %7d to %s", iteration, root)
 

@@ -127,6 +127,9 @@ MODEL_FLAG_FIELDS = (
     ModelFlag("moe_router_topk", "moe_router_topk", 2),
     ModelFlag("moe_ffn_hidden_size", "moe_ffn_hidden_size", None),
     ModelFlag("moe_aux_loss_coeff", "moe_aux_loss_coeff", 0.0),
+    ModelFlag("moe_router_pre_softmax", "moe_router_pre_softmax", False),
+    ModelFlag("moe_layer_freq", "moe_layer_freq", 1),
+    ModelFlag("openai_gelu", "openai_gelu", True),
 )
 # Older GPTConfig spellings of the same settings.
 _LEGACY_FIELDS = {"untie_embeddings_and_output_weights": ("tie_embeddings", lambda v: not v),
@@ -145,7 +148,8 @@ def _baseline_ok(flag: ModelFlag, args) -> bool:
         return value is None or value * args.num_attention_heads == args.hidden_size
     if flag.dest in ("rotary_base", "rotary_percent"):
         return args.position_embedding_type != "rope" or value == flag.baseline
-    if flag.dest in ("moe_router_topk", "moe_ffn_hidden_size", "moe_aux_loss_coeff"):
+    if flag.dest in ("moe_router_topk", "moe_ffn_hidden_size", "moe_aux_loss_coeff", "moe_router_pre_softmax",
+                     "moe_layer_freq"):
         return args.num_experts is None or value == flag.baseline
     if isinstance(value, list):
         value = value[0]
@@ -295,7 +299,20 @@ def _wrap_megatron_fsdp(module: nn.Module, args, device: torch.device, unit_modu
         check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad,
         suggested_communication_unit_size=args.suggested_communication_unit_size,
         **_hsdp_kwargs(args, device),
+        **_expert_kwargs(module, device),
     )
+
+
+def _expert_kwargs(module: nn.Module, device: torch.device) -> dict:
+    """Expert parameters (MoE) go to the expert data-parallel group: with expert
+    parallel size 1 it spans the same ranks, on a mesh of its own."""
+    from megatron_fsdp.models import has_expert_parameters
+
+    if not has_expert_parameters(module):
+        return {}
+    world = dist.get_world_size()
+    mesh = init_device_mesh(device_mod.mesh_device_type(device), (world, 1), mesh_dim_names=("fsdp", "tp"))
+    return dict(expt_device_mesh=mesh)
 
 
 def _hsdp_kwargs(args, device: torch.device) -> dict:
@@ -313,7 +330,11 @@ def _hsdp_kwargs(args, device: torch.device) -> dict:
 
 def _wrap_ddp(module: nn.Module, args, device: torch.device) -> nn.Module:
     device_ids = [device.index] if device.type == "cuda" else None
-    return nn.parallel.DistributedDataParallel(module, device_ids=device_ids)
+    from megatron_fsdp.models import has_expert_parameters
+
+    # An expert that no token picked in a step has no gradient; DDP must not wait for it.
+    return nn.parallel.DistributedDataParallel(module, device_ids=device_ids,
+                                               find_unused_parameters=has_expert_parameters(module))
 
 
 # -- optimizer --------------------------------------------------------------------

@@ -74,6 +74,7 @@ class StepContext:
     timers: Timers = dataclasses.field(default_factory=lambda: Timers(log_level=0))
     log_params_norm: bool = False
     log_num_zeros: bool = False
+    seq_length: int = 0
 
 
 def _global_sums(loss_sum: torch.Tensor, tokens: int, device: torch.device) -> tuple[float, int]:
@@ -88,6 +89,7 @@ def _forward_backward(ctx: StepContext, source: SampleSource, consumed: int, ite
     loss_total = torch.zeros((), dtype=torch.float64)
     tokens_total = 0
     scale = ctx.scaler.scale if ctx.scaler is not None else 1.0
+    _set_moe_aux_loss_scale(ctx, scale)
     for m in range(layout.num_microbatches):
         with ctx.timers.time("batch-generator"):
             inputs, targets = get_microbatch(source, layout, consumed, m, ctx.device)
@@ -109,6 +111,19 @@ def _forward_backward(ctx: StepContext, source: SampleSource, consumed: int, ite
         loss_total += loss_sum.detach().double().cpu()
         tokens_total += tokens
     return loss_total, tokens_total
+
+
+def _set_moe_aux_loss_scale(ctx: StepContext, scale: float) -> None:
+    """MoE load-balancing losses get the factor the LM loss of one micro batch gets
+    (see megatron_fsdp/models/moe.py, [Note: attaching the aux loss]): 1/micro-batches
+    times the loss scale, or in per-token mode the micro batch's token count (the
+    gradients are divided by the global token count afterwards)."""
+    module = getattr(ctx.bundle.model, "module", ctx.bundle.model)
+    set_scale = getattr(module, "set_moe_aux_loss_scale", None)
+    if set_scale is None:
+        return
+    tokens = ctx.layout.micro_batch_size * ctx.seq_length
+    set_scale(scale * (tokens if ctx.per_token_loss else 1.0 / ctx.layout.num_microbatches))
 
 
 def _grad_norm(params: list[torch.Tensor], clip_grad: float) -> float:

@@ -112,6 +112,31 @@ def _model_shape(args, world_size) -> list[str]:
     return problems
 
 
+def parse_layer_freq(text) -> "int | list[int]":
+    """Megatron-LM's ``--moe-layer-freq``: an int N (every N-th layer), or a Python
+    list expression of 0/1 such as ``[0]*3+[1]*5`` (read safely, never eval'd)."""
+    import ast
+
+    def value(node):
+        match node:
+            case ast.Constant(value=int() as v):
+                return v
+            case ast.List(elts=elts):
+                return [value(e) for e in elts]
+            case ast.BinOp(left=left, op=ast.Mult(), right=right):
+                return value(left) * value(right)
+            case ast.BinOp(left=left, op=ast.Add(), right=right):
+                return value(left) + value(right)
+        raise ValueError(ast.dump(node))
+
+    if isinstance(text, int):
+        return text
+    result = value(ast.parse(str(text).strip().strip("'\""), mode="eval").body)
+    if isinstance(result, list) and any(v not in (0, 1) for v in result):
+        raise ValueError(text)
+    return result
+
+
 def _model_features(args, world_size) -> list[str]:
     """Model flags need the embedded GPTConfig field they map to (see
     ``model_setup.MODEL_FLAG_FIELDS``); a checkout without it says so instead of
@@ -123,6 +148,17 @@ def _model_features(args, world_size) -> list[str]:
         elif not 0 < args.moe_router_topk <= args.num_experts:
             problems.append(f"--moe-router-topk={args.moe_router_topk} must be in [1, --num-experts="
                             f"{args.num_experts}]")
+    try:
+        freq = parse_layer_freq(args.moe_layer_freq)
+        if isinstance(freq, list) and args.num_layers is not None and len(freq) != args.num_layers:
+            problems.append(f"--moe-layer-freq {args.moe_layer_freq} has {len(freq)} entries for --num-layers="
+                            f"{args.num_layers}; give one 0/1 per layer")
+    except (ValueError, SyntaxError):
+        problems.append(f"--moe-layer-freq {args.moe_layer_freq!r} must be an integer or a 0/1 list expression "
+                        "such as [0]*3+[1]*5")
+    if args.num_experts is not None and args.num_distributed_optimizer_instances > 1:
+        problems.append("--num-experts with --num-distributed-optimizer-instances > 1 (MoE with HSDP) is not "
+                        "wired in this launcher; use one optimizer instance")
     coeffs = args.moe_aux_loss_coeff if isinstance(args.moe_aux_loss_coeff, list) else [args.moe_aux_loss_coeff]
     if len(coeffs) > 1:
         problems.append(f"--moe-aux-loss-coeff {' '.join(map(str, coeffs))}: one coefficient per load-balancing "
@@ -388,6 +424,7 @@ def derive_fields(args: argparse.Namespace, world_size: int) -> None:
         args.recompute_granularity = "full"
     if isinstance(args.moe_aux_loss_coeff, list):
         args.moe_aux_loss_coeff = args.moe_aux_loss_coeff[0]
+    args.moe_layer_freq = parse_layer_freq(args.moe_layer_freq)
     if args.grad_reduce_in_bf16 and args.megatron_fsdp_grad_comm_dtype == "auto":
         args.megatron_fsdp_grad_comm_dtype = "bf16"
     args.split = args.split.strip().strip("'\"")
