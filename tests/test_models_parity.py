@@ -50,17 +50,22 @@ def _reference(model: GPT, batches, optimizer: str, world: int) -> GPT:
     return model
 
 
-def parity_worker(rank, world, *, family, strategy, optimizer):
+def parity_worker(rank, world, *, family, strategy, optimizer, meta=False):
     cfg = GPTConfig(**FAMILIES[family])
     torch.manual_seed(0)
     model = GPT(cfg)
     batches = _batches(world, cfg.vocab_size)
     reference = _reference(model, batches, optimizer, world)
+    if meta:  # built on the meta device, materialised module by module inside megatron_fsdp
+        torch.manual_seed(0)
+        with torch.device("meta"):
+            model = GPT(cfg)
     # Expert parallel size 1: every rank holds every expert, and the expert
     # data-parallel group spans all ranks, on a mesh of its own.
     expt_mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("fsdp", "tp"))
     fsdp_model, opt = mf.fully_shard(model, make_optimizer(optimizer), fsdp_unit_modules=[TransformerBlock],
-                                     zero_dp_strategy=strategy, expt_device_mesh=expt_mesh)
+                                     zero_dp_strategy=strategy, expt_device_mesh=expt_mesh,
+                                     init_model_with_meta_device=meta)
     for tokens in batches:
         opt.zero_grad()
         share = tokens.chunk(world)[rank]
@@ -105,6 +110,12 @@ def test_models_train_like_a_single_process(pool2, family, strategy, optimizer):
         assert placement["expert_params"] == 16 and placement["expert_on_expert_group"], placement
     else:
         assert placement["expert_params"] == 0
+
+
+def test_moe_model_built_on_the_meta_device(pool2):
+    results = pool2.run(parity_worker, family="moe", strategy="optim_grads_params", optimizer="adamw", meta=True)
+    assert max(diff for diff, _ in results) < TOL, results
+    assert results[0][1]["expert_params"] == 16 and results[0][1]["expert_on_expert_group"]
 
 
 def no_expert_mesh_worker(rank, world):
