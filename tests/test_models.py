@@ -64,6 +64,21 @@ def test_default_config_is_the_old_gpt():
     assert model.num_parameters() == 2 * (12 * 64 * 64 + 576 + 256) + 320 * 64 + 128
 
 
+@pytest.mark.parametrize("kwargs, loss, grad_l1, wte_sum", [
+    (dict(), 5.577077865600586, 525.5487979501486, -2.4822542667388916),
+    (dict(tie_embeddings=False, num_layers=3, hidden_size=48, num_attention_heads=6, ffn_hidden_size=100),
+     5.545067310333252, 298.7059806827456, -3.098935604095459),
+])
+def test_default_numbers_are_pinned(kwargs, loss, grad_l1, wte_sum):
+    """Values measured with the GPT as it was before the Megatron-LM fields existed:
+    the same seed still gives the same weights, loss and gradients."""
+    model = _gpt(**kwargs)
+    grads = _grads(model, _tokens(t=13))
+    assert model.wte.weight.sum().item() == pytest.approx(wte_sum, rel=1e-6)
+    assert gpt_loss(model(_tokens(t=13)[:, :-1]), _tokens(t=13)[:, 1:]).item() == pytest.approx(loss, rel=1e-6)
+    assert sum(g.abs().sum().item() for g in grads.values()) == pytest.approx(grad_l1, rel=1e-5)
+
+
 def test_legacy_field_names_still_work():
     assert GPTConfig(tie_embeddings=False).untie_embeddings_and_output_weights
     assert GPTConfig(recompute=True).recompute_granularity is RecomputeGranularity.FULL
