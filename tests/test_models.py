@@ -17,7 +17,6 @@ from megatron_fsdp.models import (
     Normalization,
     PositionEmbeddingType,
     RecomputeGranularity,
-    TransformerBlock,
     gpt_loss,
     has_expert_parameters,
     presets,
@@ -277,22 +276,38 @@ def test_init_std_and_scaled_output_init():
 
 
 # -- recompute and dropout --------------------------------------------------------------
-@pytest.mark.parametrize("granularity", ["full", "selective"])
+RECOMPUTE = {"full": dict(recompute_granularity="full"), "selective": dict(recompute_granularity="selective"),
+             "uniform2": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2),
+             "block1": dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1)}
+
+
+@pytest.mark.parametrize("granularity", list(RECOMPUTE))
 @pytest.mark.parametrize("family", ["gpt", "llama_moe"])
 def test_recompute_gives_identical_grads(granularity, family):
-    kwargs = dict(hidden_dropout=0.1, attention_dropout=0.1)
+    kwargs = dict(hidden_dropout=0.1, attention_dropout=0.1, num_layers=3)
     if family == "llama_moe":
         kwargs.update(LLAMA, num_moe_experts=4, moe_aux_loss_coeff=0.01, qk_layernorm=True)
     tokens = _tokens()
     base = _gpt(**kwargs)
     torch.manual_seed(11)
     expected = _grads(base, tokens)
-    model = _gpt(recompute_granularity=granularity, **kwargs)
+    model = _gpt(**RECOMPUTE[granularity], **kwargs)
     torch.manual_seed(11)  # same dropout masks: recompute replays the RNG state
     got = _grads(model, tokens)
     assert got.keys() == expected.keys()
     for name in expected:
         torch.testing.assert_close(got[name], expected[name], rtol=0, atol=1e-7, msg=name)
+
+
+def test_recompute_plan_checkpoints_the_right_blocks():
+    plans = {None: [(0, 5, False)], "full": [(i, i + 1, True) for i in range(5)],
+             "uniform2": [(0, 2, True), (2, 4, True), (4, 5, True)], "block1": [(0, 1, True), (1, 5, False)]}
+    for name, expected in plans.items():
+        assert _gpt(num_layers=5, **RECOMPUTE.get(name, {}))._block_chunks() == expected, name
+    with pytest.raises(ValueError, match="full' only"):
+        GPTConfig(recompute_granularity="selective", recompute_num_layers=1)
+    with pytest.raises(ValueError, match="recompute_num_layers=3 must be between 1 and num_layers=2"):
+        GPTConfig(recompute_granularity="full", recompute_num_layers=3)
 
 
 def test_dropout_defaults_off_and_applies_in_training_only():

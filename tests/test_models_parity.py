@@ -29,7 +29,8 @@ LLAMA = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_grou
              untie_embeddings_and_output_weights=True, add_bias_linear=False)
 MOE = dict(LLAMA, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24, moe_aux_loss_coeff=0.05)
 FAMILIES = {"llama": LLAMA, "llama_qk_norm": dict(LLAMA, qk_layernorm=True), "moe": MOE,
-            "moe_recompute": dict(MOE, recompute_granularity="full")}
+            "moe_recompute": dict(MOE, recompute_granularity="full", recompute_method="uniform",
+                                  recompute_num_layers=2)}
 
 
 def _batches(world: int, vocab: int) -> list[torch.Tensor]:

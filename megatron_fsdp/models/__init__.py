@@ -11,6 +11,7 @@ from .config import (
     Normalization,
     PositionEmbeddingType,
     RecomputeGranularity,
+    RecomputeMethod,
     vocab_size_with_padding,
 )
 from .gpt import GPT, gpt_loss
@@ -24,6 +25,7 @@ __all__ = [
     "Normalization",
     "PositionEmbeddingType",
     "RecomputeGranularity",
+    "RecomputeMethod",
     "TransformerBlock",
     "expert_device_mesh",
     "gpt_loss",

@@ -75,6 +75,16 @@ class RecomputeGranularity(_ParsedEnum):
     """Checkpoint only the attention core (softmax(QK^T)V), Megatron's ``core_attn``."""
 
 
+class RecomputeMethod(_ParsedEnum):
+    """Megatron's ``--recompute-method``: which blocks full recomputation checkpoints."""
+
+    UNIFORM = "uniform"
+    """Split the blocks into chunks of ``recompute_num_layers``; checkpoint each chunk
+    (only its input is kept)."""
+    BLOCK = "block"
+    """Checkpoint the first ``recompute_num_layers`` blocks one by one, keep the rest."""
+
+
 def vocab_size_with_padding(vocab_size: int, make_vocab_size_divisible_by: int = 128,
                             tensor_model_parallel_size: int = 1) -> int:
     """Megatron-LM's padded vocabulary: the next multiple of
@@ -152,6 +162,11 @@ class GPTConfig:
     std / sqrt(2 * num_layers) (Megatron's scaled init). Biases start at zero."""
     recompute_granularity: Union[RecomputeGranularity, str, None] = None
     """Activation recomputation; ``None`` keeps every activation."""
+    recompute_method: Union[RecomputeMethod, str, None] = None
+    """With full recomputation: ``uniform`` or ``block``. ``None`` means uniform (Megatron-LM
+    requires the flag; the default here keeps ``recompute=True`` meaning every block)."""
+    recompute_num_layers: Optional[int] = None
+    """Blocks per checkpointed chunk (uniform) or checkpointed blocks (block); ``None`` = 1."""
 
     # -- mixture of experts -----------------------------------------------------------
     num_moe_experts: Optional[int] = None
@@ -185,6 +200,7 @@ class GPTConfig:
             self.recompute_granularity = RecomputeGranularity.parse(
                 self.recompute_granularity, arg_name="recompute_granularity")
         self._check_sizes()
+        self._check_recompute()
         self._check_attention()
         self._check_regularisation()
         self._check_moe()
@@ -227,6 +243,19 @@ class GPTConfig:
                     f"hidden_size={self.hidden_size}; pass ffn_hidden_size explicitly")
         elif self.ffn_hidden_size <= 0:
             raise ValueError(f"ffn_hidden_size={self.ffn_hidden_size} must be positive")
+
+    def _check_recompute(self) -> None:
+        if self.recompute_granularity is not RecomputeGranularity.FULL:
+            if self.recompute_method is not None or self.recompute_num_layers is not None:
+                raise ValueError(
+                    f"recompute_method={self.recompute_method!r} / recompute_num_layers={self.recompute_num_layers!r} "
+                    f"apply to recompute_granularity='full' only (got {self.recompute_granularity!r}); drop them")
+            return
+        if self.recompute_method is not None:
+            self.recompute_method = RecomputeMethod.parse(self.recompute_method, arg_name="recompute_method")
+        if self.recompute_num_layers is not None and not 1 <= self.recompute_num_layers <= self.num_layers:
+            raise ValueError(f"recompute_num_layers={self.recompute_num_layers} must be between 1 and "
+                             f"num_layers={self.num_layers}")
 
     def _check_attention(self) -> None:
         if self.num_query_groups is None:
@@ -273,6 +302,11 @@ class GPTConfig:
                              f"{self.num_layers} zeros and ones (one per layer)")
 
     # -- derived -------------------------------------------------------------------------
+    @property
+    def recompute_plan(self) -> tuple[RecomputeMethod, int]:
+        """(method, layers) of full recomputation, defaults applied: uniform, 1 layer."""
+        return self.recompute_method or RecomputeMethod.UNIFORM, self.recompute_num_layers or 1
+
     @property
     def rotary_dim(self) -> int:
         """Channels of each head that RoPE rotates (Megatron: int(kv_channels * rotary_percent))."""

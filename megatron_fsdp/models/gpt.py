@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .config import GPTConfig, PositionEmbeddingType, RecomputeGranularity
+from .config import GPTConfig, PositionEmbeddingType, RecomputeGranularity, RecomputeMethod
 from .layers import InitEmbedding, InitLinear, build_norm
 from .moe import MoELayer
 from .transformer import TransformerBlock
@@ -52,13 +52,27 @@ class GPT(nn.Module):
             x = x + self.wpe(torch.arange(t, device=tokens.device))
         if cfg.hidden_dropout and self.training:
             x = F.dropout(x, cfg.hidden_dropout, training=True)  # Megatron's embedding dropout
-        full_recompute = cfg.recompute_granularity is RecomputeGranularity.FULL
-        for block in self.blocks:
-            if full_recompute and torch.is_grad_enabled():
-                x = checkpoint(block, x, use_reentrant=False)
+        for start, end, recompute in self._block_chunks():
+            if recompute and torch.is_grad_enabled():
+                x = checkpoint(self._run_blocks, x, start, end, use_reentrant=False)
             else:
-                x = block(x)
+                x = self._run_blocks(x, start, end)
         return self.lm_head(self.ln_f(x))
+
+    def _run_blocks(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        for block in self.blocks[start:end]:
+            x = block(x)
+        return x
+
+    def _block_chunks(self) -> list[tuple[int, int, bool]]:
+        """(first block, end, checkpointed?) runs of blocks, per the recompute settings."""
+        cfg, layers = self.config, self.config.num_layers
+        if cfg.recompute_granularity is not RecomputeGranularity.FULL:
+            return [(0, layers, False)]
+        method, n = cfg.recompute_plan
+        if method is RecomputeMethod.UNIFORM:
+            return [(i, min(i + n, layers), True) for i in range(0, layers, n)]
+        return [(i, i + 1, True) for i in range(n)] + ([(n, layers, False)] if n < layers else [])
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

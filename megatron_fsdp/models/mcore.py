@@ -69,7 +69,8 @@ def _transformer_config(cfg: GPTConfig, args: argparse.Namespace):
     if not cfg.swiglu and cfg.openai_gelu:
         changes["activation_func"] = _gelu_tanh  # Megatron's --openai-gelu
     if cfg.recompute_granularity is RecomputeGranularity.FULL:
-        changes.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        method, layers = cfg.recompute_plan
+        changes.update(recompute_granularity="full", recompute_method=method.value, recompute_num_layers=layers)
     elif cfg.recompute_granularity is RecomputeGranularity.SELECTIVE:
         changes.update(recompute_granularity="selective", recompute_modules=["core_attn"])
     if cfg.num_moe_experts is not None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .config import GPTConfig, PositionEmbeddingType, vocab_size_with_padding
+from .config import GPTConfig, PositionEmbeddingType, RecomputeGranularity, vocab_size_with_padding
 
 _GPT2_VOCAB = vocab_size_with_padding(50257, 128)  # 50304
 
@@ -107,6 +107,9 @@ def megatron_flags(cfg: GPTConfig) -> dict[str, Any]:
     flags.update({flag: True for flag, on in switches.items() if on})
     if cfg.recompute_granularity is not None:
         flags["--recompute-granularity"] = cfg.recompute_granularity.value
+    if cfg.recompute_granularity is RecomputeGranularity.FULL:
+        method, layers = cfg.recompute_plan
+        flags.update({"--recompute-method": method.value, "--recompute-num-layers": layers})
     if cfg.num_moe_experts is not None:
         flags.update({"--num-experts": cfg.num_moe_experts, "--moe-router-topk": cfg.moe_router_topk,
                       "--moe-ffn-hidden-size": cfg.moe_ffn_hidden_size,
