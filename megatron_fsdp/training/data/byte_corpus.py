@@ -1,36 +1,24 @@
-"""Deterministic training data: the byte-tokenized text corpus that ships in
-``data/`` (or the user's text files), or generated ``--mock-data``.
-
-[Note: stateless data position] A sample is a pure function of its global index
-(and the seed), so the whole data position is ``consumed_samples``: resuming from
-a checkpoint only needs that number, and every data-parallel layout (FSDP or DDP,
-any world size) sees the same global batch. Each micro batch of the global batch is
-laid out like Megatron-LM's pretraining sampler: micro batch ``m`` of data-parallel
-rank ``r`` holds global samples ``consumed + m*mbs*dp + r*mbs + [0, mbs)``.
+"""The byte-level data the launcher used before indexed datasets: the text corpus
+that ships in ``data/`` cut into fixed windows (one token per byte, vocabulary 256),
+and the generated sequences of the legacy ``--mock-data``. Samples follow
+[Note: stateless data position] in ``batching.py``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
-from typing import Protocol, Sequence
+from typing import Sequence
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# megatron_fsdp/training/data/byte_corpus.py -> the repository root
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 DEFAULT_CORPUS = os.path.join(REPO_ROOT, "data", "corpus.txt")
 # A large odd multiplier keeps per-sample generator seeds of neighbouring samples apart.
 _SEED_STRIDE = 1_000_003
-
-
-class SampleSource(Protocol):
-    def __len__(self) -> int: ...
-
-    def sample(self, index: int) -> torch.Tensor:
-        """Tokens of global sample ``index`` (any non-negative int): int64, shape (seq_length + 1,)."""
 
 
 def load_corpus_tokens(paths: Sequence[str] | None) -> torch.Tensor:
@@ -114,46 +102,3 @@ class MockDataset:
         start, stride = torch.randint(0, self.vocab_size, (2,), generator=gen).tolist()
         stride = stride % 16 + 1  # small strides keep the pattern easy to pick up
         return (start + stride * torch.arange(self.seq_length + 1)) % self.vocab_size
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class BatchLayout:
-    """How a global batch is cut into micro batches across data-parallel ranks."""
-
-    micro_batch_size: int
-    num_microbatches: int
-    dp_rank: int
-    dp_size: int
-
-    @property
-    def global_batch_size(self) -> int:
-        return self.micro_batch_size * self.num_microbatches * self.dp_size
-
-    def sample_indices(self, consumed_samples: int, microbatch: int) -> range:
-        """Global sample indices of this rank's micro batch (see [Note: stateless data position])."""
-        start = consumed_samples + (microbatch * self.dp_size + self.dp_rank) * self.micro_batch_size
-        return range(start, start + self.micro_batch_size)
-
-
-def get_microbatch(source: SampleSource, layout: BatchLayout, consumed_samples: int, microbatch: int,
-                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(inputs, targets), each (micro_batch_size, seq_length) int64 on ``device``."""
-    tokens = torch.stack([source.sample(i) for i in layout.sample_indices(consumed_samples, microbatch)])
-    tokens = tokens.to(device)
-    return tokens[:, :-1], tokens[:, 1:]
-
-
-def build_datasets(args) -> tuple[SampleSource, SampleSource | None]:
-    """(train, valid) sources for the parsed flags; valid is None when the split has none."""
-    if args.mock_data:
-        train = MockDataset(args.vocab_size, args.seq_length, args.seed)
-        valid = MockDataset(args.vocab_size, args.seq_length, args.seed, offset=1 << 40)
-        return train, valid
-    tokens = load_corpus_tokens(args.data_path)
-    weights = [float(w) for w in args.split.replace(" ", "").split(",")]
-    train_w, valid_w, _ = split_windows(tokens.numel(), args.seq_length, weights)
-    train = TextDataset(tokens, train_w, args.seq_length, args.seed)
-    valid = TextDataset(tokens, valid_w, args.seq_length, args.seed + 1) if len(valid_w) else None
-    if valid is None and args.eval_iters > 0:
-        logger.warning("the validation split of --split %s is empty; evaluation is skipped", args.split)
-    return train, valid

@@ -1,0 +1,94 @@
+"""Training data for the launcher: Megatron indexed datasets, mock data and the byte corpus.
+
+Modules, one concern each:
+
+- ``batching.py``: ``SampleSource`` (what the training loop reads), ``BatchLayout`` and
+  ``get_microbatch`` (Megatron's pretraining sampler layout).
+- ``indexed.py``: our reader/writer of Megatron's ``prefix.bin``/``prefix.idx`` files.
+- ``gpt_dataset.py``: Megatron's GPT sample construction (split, document/sample/shuffle
+  indices, cache files) over an indexed dataset, and its mock documents.
+- ``blending.py``: weighted blends ``--data-path 0.3 a 0.7 b``.
+- ``builder.py``: ``build_train_valid_test_datasets`` (megatron-core's builder when it runs
+  here, else ours, identical samples), ``train_valid_test_num_samples``,
+  ``data_path_problems``.
+- ``byte_corpus.py``: the launcher's earlier byte-level corpus and generated mock data.
+
+``build_datasets(args)`` is the launcher's one call: with ``--data-path`` it builds
+Megatron's GPT datasets through the tokenizer flags (see ``build_train_valid_test_datasets``);
+with ``--mock-data`` or no data flag it keeps the launcher's earlier sources.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from megatron_fsdp.training.data.batching import BatchLayout, SampleSource, get_microbatch
+from megatron_fsdp.training.data.blending import parse_data_path
+from megatron_fsdp.training.data.builder import (
+    Backend,
+    MegatronSampleSource,
+    TrainValidTestDatasets,
+    build_train_valid_test_datasets,
+    data_path_problems,
+    megatron_core_unavailable_reason,
+    train_valid_test_num_samples,
+)
+from megatron_fsdp.training.data.byte_corpus import (
+    DEFAULT_CORPUS,
+    MockDataset,
+    TextDataset,
+    load_corpus_tokens,
+    split_windows,
+)
+from megatron_fsdp.training.data.indexed import DataPathError, IndexedDataset, IndexedDatasetWriter
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "Backend", "BatchLayout", "DEFAULT_CORPUS", "DataPathError", "IndexedDataset", "IndexedDatasetWriter",
+    "MegatronSampleSource", "MockDataset", "SampleSource", "TextDataset", "TrainValidTestDatasets",
+    "build_datasets", "build_tokenizer_from_args", "build_train_valid_test_datasets", "data_path_problems",
+    "get_microbatch", "load_corpus_tokens", "megatron_core_unavailable_reason", "parse_data_path",
+    "split_windows", "train_valid_test_num_samples",
+]
+
+
+def build_tokenizer_from_args(args):
+    """The tokenizer of the launcher's parsed flags (``--tokenizer-type`` and its file flags)."""
+    from megatron_fsdp.training.tokenizers import build_tokenizer
+
+    kind = getattr(args, "tokenizer_type", None) or "ByteTokenizer"
+    kind = getattr(kind, "value", kind)
+    return build_tokenizer(kind, vocab_file=getattr(args, "vocab_file", None),
+                           merge_file=getattr(args, "merge_file", None),
+                           tokenizer_model=getattr(args, "tokenizer_model", None),
+                           vocab_size=getattr(args, "vocab_size", None))
+
+
+def build_datasets(args) -> tuple[SampleSource, SampleSource | None]:
+    """(train, valid) sources for the parsed flags; valid is None when the split has none."""
+    if args.mock_data:
+        train = MockDataset(args.vocab_size, args.seq_length, args.seed)
+        valid = MockDataset(args.vocab_size, args.seq_length, args.seed, offset=1 << 40)
+        return train, valid
+    if args.data_path:
+        num_samples = train_valid_test_num_samples(
+            train_iters=args.train_iters, global_batch_size=args.global_batch_size,
+            eval_interval=args.eval_interval, eval_iters=args.eval_iters,
+            train_samples=getattr(args, "train_samples", None))
+        datasets = build_train_valid_test_datasets(
+            data_path=args.data_path, split=args.split, seq_length=args.seq_length, seed=args.seed,
+            tokenizer=build_tokenizer_from_args(args), num_samples=num_samples,
+            cache_path=getattr(args, "data_cache_path", None))
+        valid = datasets.valid if args.eval_iters > 0 else None
+        if datasets.valid is None and args.eval_iters > 0:
+            logger.warning("the validation split of --split %s is empty; evaluation is skipped", args.split)
+        return datasets.train, valid
+    tokens = load_corpus_tokens(None)
+    weights = [float(w) for w in args.split.replace(" ", "").split(",")]
+    train_w, valid_w, _ = split_windows(tokens.numel(), args.seq_length, weights)
+    train = TextDataset(tokens, train_w, args.seq_length, args.seed)
+    valid = TextDataset(tokens, valid_w, args.seq_length, args.seed + 1) if len(valid_w) else None
+    if valid is None and args.eval_iters > 0:
+        logger.warning("the validation split of --split %s is empty; evaluation is skipped", args.split)
+    return train, valid
