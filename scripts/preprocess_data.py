@@ -23,10 +23,29 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-from megatron_fsdp.training.data.indexed import IndexedDatasetWriter, bin_path, idx_path, optimal_dtype  # noqa: E402
-from megatron_fsdp.training.tokenizers import TOKENIZER_CHOICES, build_tokenizer  # noqa: E402
+
+def _load(module: str, relpath: str):
+    """Import one of our modules by file: ``indexed.py`` needs only numpy and ``tokenizers.py``
+    only the standard library, while importing the ``megatron_fsdp`` package brings in torch
+    (seconds per worker process for nothing)."""
+    import importlib.util
+
+    if module in sys.modules:
+        return sys.modules[module]
+    spec = importlib.util.spec_from_file_location(module, os.path.join(REPO, relpath))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[module] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+_indexed = _load("megatron_fsdp.training.data.indexed", "megatron_fsdp/training/data/indexed.py")
+_tokenizers = _load("megatron_fsdp.training.tokenizers", "megatron_fsdp/training/tokenizers.py")
+IndexedDatasetWriter, bin_path, idx_path, optimal_dtype = (
+    _indexed.IndexedDatasetWriter, _indexed.bin_path, _indexed.idx_path, _indexed.optimal_dtype)
+TOKENIZER_CHOICES, build_tokenizer = _tokenizers.TOKENIZER_CHOICES, _tokenizers.build_tokenizer
 
 # One tokenizer per worker process, built once by _init_worker.
 _worker: dict = {}

@@ -156,7 +156,7 @@ def build_train_valid_test_datasets(*, data_path: Sequence[str] | None, split: s
                          f"num_samples={num_samples}")
     chosen = resolve_backend(backend)
     if (chosen is Backend.MEGATRON_CORE and Backend(backend) is Backend.AUTO and cache_path and data_path
-            and len(data_path) > 1 and not torch.distributed.is_initialized()):
+            and _is_blend(data_path) and not torch.distributed.is_initialized()):
         # megatron-core 0.16's BlendedDataset asks torch.distributed for the rank when it
         # writes a cache, and fails without a process group; ours builds the same samples.
         chosen = Backend.NATIVE
@@ -168,6 +168,11 @@ def build_train_valid_test_datasets(*, data_path: Sequence[str] | None, split: s
     logger.info("> datasets built by %s: %s", chosen.value,
                 ", ".join(f"{n} {len(s) if s else 0}" for n, s in zip(gpt_dataset.SPLIT_NAMES, sources)))
     return TrainValidTestDatasets(train=sources[0], valid=sources[1], test=sources[2], backend=chosen)
+
+
+def _is_blend(data_path: list[str]) -> bool:
+    prefixes, weights = parse_data_path(data_path)
+    return len(prefixes) > 1 or weights is not None
 
 
 def _split_matrix(data_path: list[str] | None, split: str) -> list[tuple[float, float] | None]:
