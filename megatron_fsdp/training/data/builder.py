@@ -155,16 +155,29 @@ def build_train_valid_test_datasets(*, data_path: Sequence[str] | None, split: s
         raise ValueError("a weighted --data-path blend needs a sample count for every split it uses, got "
                          f"num_samples={num_samples}")
     chosen = resolve_backend(backend)
-    if (chosen is Backend.MEGATRON_CORE and Backend(backend) is Backend.AUTO and cache_path and data_path
-            and _is_blend(data_path) and not torch.distributed.is_initialized()):
+    if (chosen is Backend.MEGATRON_CORE and cache_path and data_path and _is_blend(data_path)
+            and not torch.distributed.is_initialized()):
         # megatron-core 0.16's BlendedDataset asks torch.distributed for the rank when it
         # writes a cache, and fails without a process group; ours builds the same samples.
+        if Backend(backend) is not Backend.AUTO:
+            raise RuntimeError("megatron-core's BlendedDataset writes its --data-cache-path only under "
+                               "torch.distributed; initialise a process group, drop the cache path, or use "
+                               "backend='native' (identical samples)")
         chosen = Backend.NATIVE
     build = _build_megatron_core if chosen is Backend.MEGATRON_CORE else _build_native
     splits = build(data_path=data_path, split=split, matrix=matrix, seq_length=seq_length, seed=seed,
                    tokenizer=tokenizer, num_samples=num_samples, cache_path=cache_path)
     sources = [MegatronSampleSource(d, name) if d is not None else None
                for d, name in zip(splits, gpt_dataset.SPLIT_NAMES)]
+    for source, wanted in zip(sources, num_samples):
+        # Only an unweighted blend can come out short: megatron-core caps it at one epoch of each member.
+        if source is not None and wanted and len(source) < wanted:
+            message = (f"the {source.name} data holds {len(source)} samples, fewer than the {wanted} requested: an "
+                       "unweighted --data-path blend gives one epoch of each dataset; weight it ('0.5 A 0.5 B') "
+                       "to draw as many samples as the run needs")
+            if source.name == "train":
+                raise ValueError(message)
+            logger.warning(message)
     logger.info("> datasets built by %s: %s", chosen.value,
                 ", ".join(f"{n} {len(s) if s else 0}" for n, s in zip(gpt_dataset.SPLIT_NAMES, sources)))
     return TrainValidTestDatasets(train=sources[0], valid=sources[1], test=sources[2], backend=chosen)
@@ -184,6 +197,8 @@ def _split_matrix(data_path: list[str] | None, split: str) -> list[tuple[float, 
     warning; the book-ends of the others stay as given, so their samples do not change.
     """
     matrix = gpt_dataset.split_matrix(gpt_dataset.parse_split("1,1,1" if data_path is None else split))
+    if matrix[0] is None:
+        raise ValueError(f"--split {split!r} gives the train split no weight; put it first, e.g. '969,30,1'")
     if data_path is None:
         return matrix
     for prefix in parse_data_path(data_path)[0]:
