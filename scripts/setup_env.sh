@@ -18,3 +18,8 @@ fi
 if [ -f scripts/setup_megatron_core.sh ]; then
   bash scripts/setup_megatron_core.sh
 fi
+# Optional data/tokenizer extras, none of which depends on torch: `regex` compiles GPT-2's
+# word pattern (megatron_fsdp/training/tokenizers.py has a pure-`re` fallback) and
+# `tokenizers` is the fast GPT-2 BPE backend and reads HuggingFaceTokenizer directories
+# (tokenizer.json). Without them everything still works, slower or with a clear message.
+"$PY" -m pip install -q regex tokenizers || echo "setup_env: WARNING: could not install regex/tokenizers (optional)" >&2
