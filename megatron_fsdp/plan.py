@@ -361,7 +361,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _print_check(record: dict) -> None:
     m = record["measured"]
-    print(f"fake-group build: wrap {m['wrap_s']:.2f}s, peak host RSS growth {m['wrap_rss_growth'] / 2**30:.2f} GiB, "
+    print(f"fake-group build: wrap {m['wrap_s']:.2f}s ({m['wrap_cpu_s']:.2f}s CPU), peak host RSS growth {m['wrap_rss_growth'] / 2**30:.2f} GiB, "
           f"collectives from {m['step_source']}")
     if record["mismatches"]:
         print("MISMATCH:\n  " + "\n  ".join(record["mismatches"]))
