@@ -57,6 +57,18 @@ def test_fake_group_build_equals_plan(world, dtype, steps):
             assert measured["step_source"].startswith("step 3")
 
 
+def test_bf16_gradient_communication_halves_reduce_bytes():
+    """bf16 on the wire with fp32 main gradients (accumulation stays fp32)."""
+    fp32 = {r["strategy"]: r for r in run_plan("--model", "tiny", "--world", "64", "--strategy", "all")}
+    records = run_plan("--model", "tiny", "--world", "64", "--strategy", "all", "--grad-comm-dtype", "bf16",
+                       "--check", "--steps", "3")
+    for r in records:
+        assert r["mismatches"] == [], r["mismatches"]
+        kind = "all_reduce" if r["strategy"] == "no_shard" else "reduce_scatter"
+        assert 2 * r["step"]["bytes"][kind] == fp32[r["strategy"]]["step"]["bytes"][kind]
+        assert r["memory"]["main_grads"] == fp32[r["strategy"]]["memory"]["main_grads"]
+
+
 def test_llama_shaped_model_equals_plan():
     """Untied output layer, RoPE (no position table), RMSNorm, SwiGLU, GQA."""
     records = run_plan("--model", "llama3-tiny", "--world", "1024", "--strategy", "all", "--check", "--steps", "3")
