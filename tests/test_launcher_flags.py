@@ -230,15 +230,43 @@ def test_iteration_line_matches_megatron_training_log():
 
 
 def test_schedule_does_not_advance_on_skipped_iterations():
-    from megatron_fsdp.training import training_step
+    """A NaN iteration (checks off) is skipped: weights, optimizer and learning-rate
+    schedule stay where they were, as in Megatron-LM; the iteration still counts."""
+    import torch
 
-    source = Path(training_step.__file__).read_text()
-    # The schedule steps inside the branch that applied the update (Megatron-LM's rule).
-    applied = source.index("bundle.optimizer.step()")
-    assert source.index("ctx.schedule.step()") > applied
-    assert "else:\n        with ctx.timers.time(\"optimizer\"):" in source
-    sched = LRSchedule(max_lr=1.0, min_lr=0.0, warmup_steps=0, decay_steps=10, style=LRDecayStyle.LINEAR)
-    assert sched.current_lr == 1.0
+    from megatron_fsdp.training.data import BatchLayout, MockDataset
+    from megatron_fsdp.training.model_setup import ModelBundle
+    from megatron_fsdp.training.training_step import StepContext, TrainState, train_step
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16))
+    poison = {"on": False}
+
+    def loss_fn(inputs, targets):
+        logits = model(inputs)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 16), targets.reshape(-1), reduction="sum")
+        return (loss * float("nan") if poison["on"] else loss), targets.numel()
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1.0)
+    bundle = ModelBundle(model=model, optimizer=optimizer, loss_fn=loss_fn, is_fsdp=False, num_parameters=0)
+    schedule = LRSchedule(max_lr=1e-2, min_lr=0.0, warmup_steps=4, decay_steps=10, style=LRDecayStyle.LINEAR)
+    ctx = StepContext(bundle=bundle, schedule=schedule, scaler=None, device=torch.device("cpu"), clip_grad=1.0,
+                      layout=BatchLayout(micro_batch_size=2, num_microbatches=1, dp_rank=0, dp_size=1),
+                      per_token_loss=False, check_for_nan=False)
+    source, state = MockDataset(16, 8, seed=1), TrainState()
+    lrs, skipped = [], []
+    for poisoned in (False, True, False):
+        poison["on"] = poisoned
+        before = [p.detach().clone() for p in model.parameters()]
+        result = train_step(ctx, state, source)
+        lrs.append(result.learning_rate)
+        skipped.append(result.skipped)
+        if poisoned:
+            assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert skipped == [False, True, False] and state.iteration == 3
+    # Warmup 1e-2 * step/4: steps 0, 1, then 1 again (the skipped one did not count).
+    assert lrs == [0.0, pytest.approx(2.5e-3), pytest.approx(2.5e-3)]
+    assert schedule.num_steps == 2
 
 
 # -- one run: Llama-3-8B-style command line, TensorBoard read back ------------------------------
@@ -286,3 +314,14 @@ def test_llama_style_run_writes_tensorboard_events(tmp_path):
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.5, losses
     lrs = [e.value for e in acc.Scalars("learning-rate")]
     assert lrs[0] == 0.0 and lrs[2] == pytest.approx(3e-3)  # warmup over 16 samples = 2 iterations
+
+
+def test_missing_dashboard_packages_are_a_clear_message(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("wandb", "tensorboard") else real(name, *a))
+    args = _parse(["--wandb-project", "p", "--tensorboard-dir", "/tmp/x"])
+    assert any("the wandb package is not installed" in w and "pip install wandb" in w for w in args.flag_warnings)
+    assert any("the tensorboard package is not installed" in w for w in args.flag_warnings)
