@@ -59,11 +59,31 @@ def metrics(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def test_gpt3_style_command_fsdp_equals_ddp_every_iteration(tmp_path):
+@pytest.fixture(scope="module")
+def data_flags(tmp_path_factory) -> list[str]:
+    """Megatron's data flags for an indexed BPE dataset of data/corpus.txt, built here by
+    scripts/preprocess_data.py with the shipped GPT-2 BPE vocabulary; the byte-level
+    corpus (no flags) in a checkout without the indexed-data module."""
+    from megatron_fsdp.training import data_integration
+
+    vocab, merges = REPO / "data" / "bpe" / "vocab.json", REPO / "data" / "bpe" / "merges.txt"
+    preprocess = REPO / "scripts" / "preprocess_data.py"
+    if not (data_integration.has_indexed_data() and preprocess.is_file() and vocab.is_file()):
+        return []
+    out = tmp_path_factory.mktemp("bpe_data")
+    subprocess.run([sys.executable, str(preprocess), "--input", str(REPO / "data" / "corpus.txt"),
+                    "--output-prefix", str(out / "corpus"), "--tokenizer-type", "GPT2BPETokenizer",
+                    "--vocab-file", str(vocab), "--merge-file", str(merges), "--append-eod", "--workers", "1"],
+                   check=True, cwd=REPO, capture_output=True, timeout=300)
+    return ["--data-path", str(out / "corpus_text_document"), "--tokenizer-type", "GPT2BPETokenizer",
+            "--vocab-file", str(vocab), "--merge-file", str(merges), "--data-cache-path", str(out / "cache")]
+
+
+def test_gpt3_style_command_fsdp_equals_ddp_every_iteration(tmp_path, data_flags):
     ddp = tmp_path / "ddp.json"
     fsdp = tmp_path / "fsdp.json"
-    torchrun(shlex.split(GPT3_STYLE) + ["--log-json", str(ddp)])
-    proc = torchrun(shlex.split(GPT3_STYLE + FSDP_FLAGS) + ["--log-json", str(fsdp)])
+    torchrun(shlex.split(GPT3_STYLE) + data_flags + ["--log-json", str(ddp)])
+    proc = torchrun(shlex.split(GPT3_STYLE + FSDP_FLAGS) + data_flags + ["--log-json", str(fsdp)])
     assert "Megatron-FSDP (optim_grads_params)" in proc.stdout
     a, b = metrics(fsdp), metrics(ddp)
     assert a["iterations"] == b["iterations"] == list(range(1, 13))
@@ -74,7 +94,7 @@ def test_gpt3_style_command_fsdp_equals_ddp_every_iteration(tmp_path):
 
 
 # Megatron-LM's Llama-3-8B Megatron-FSDP script, scaled down (32 -> 2 layers, 4096 -> 64 hidden, 32 -> 4
-# heads with 8 -> 2 query groups, 14336 -> 192 FFN; the byte-level corpus instead of mock data).
+# heads with 8 -> 2 query groups, 14336 -> 192 FFN; the indexed BPE corpus instead of mock data).
 LLAMA3_STYLE = """
     --use-mcore-models --num-layers 2 --hidden-size 64 --ffn-hidden-size 192 --num-attention-heads 4
     --group-query-attention --num-query-groups 2 --kv-channels 16 --seq-length 32 --max-position-embeddings 32
@@ -99,12 +119,12 @@ MOE = " --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 48 --moe-aux-l
 
 
 @pytest.mark.parametrize("family", ["llama3", "llama3_moe"])
-def test_llama3_style_command_fsdp_equals_ddp_every_iteration(tmp_path, family):
+def test_llama3_style_command_fsdp_equals_ddp_every_iteration(tmp_path, family, data_flags):
     # --use-mcore-models needs CUDA; on CPU the same command trains the embedded model.
     base = LLAMA3_STYLE.replace("--use-mcore-models", "") + (MOE if family == "llama3_moe" else "")
     ddp, fsdp = tmp_path / "ddp.json", tmp_path / "fsdp.json"
-    torchrun(shlex.split(base) + ["--log-json", str(ddp)])
-    proc = torchrun(shlex.split(base + LLAMA3_FSDP) + ["--log-json", str(fsdp)])
+    torchrun(shlex.split(base) + data_flags + ["--log-json", str(ddp)])
+    proc = torchrun(shlex.split(base + LLAMA3_FSDP) + data_flags + ["--log-json", str(fsdp)])
     assert "WARNING: --apply-layernorm-1p: accepted, no effect here" in proc.stdout
     a, b = metrics(fsdp), metrics(ddp)
     assert a["iterations"] == b["iterations"] == list(range(1, 13))
