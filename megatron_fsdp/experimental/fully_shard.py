@@ -1,0 +1,175 @@
+"""Public entry points of experimental fully_shard: ``Placements``,
+``fully_shard_context``, ``fully_shard`` and ``microbatch``.
+
+Usage, bottom-up like FSDP2::
+
+    mesh = init_device_mesh("cpu", (world,))
+    with fully_shard_context() as context:
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, placements=placements)
+        fully_shard(model, mesh=mesh, placements=placements)
+    optimizer = torch.optim.AdamW(model.parameters(), ...)
+    fully_shard_optimizer(optimizer)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Iterator, Sequence
+from typing import Optional, Union
+
+import torch
+from torch import nn
+from torch.distributed import DeviceMesh
+from torch.distributed.tensor.placement_types import Placement
+
+from .. import device as device_lib
+from ..mixed_precision import MixedPrecisionPolicy
+from .module import FsdpContext, FsdpModule
+
+__all__ = ["Placements", "fully_shard", "fully_shard_context", "microbatch"]
+
+MeshAxis = Union[int, str]
+
+_CONTEXT: contextvars.ContextVar[Optional[FsdpContext]] = contextvars.ContextVar("mfsdp_experimental", default=None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Placements:
+    """Placements of parameters, gradients and optimizer state along the data-parallel
+    mesh axes (use torch's ``Shard(0)``, ``Replicate()``, ``Partial("avg")``).
+
+    ZeRO-3: all ``Shard(0)``. ZeRO-1: parameter ``Replicate``, gradient ``Partial``,
+    optimizer ``Shard(0)``. HSDP on a 2-d mesh: ``[Replicate, Shard(0)]`` with
+    gradient ``[Partial, Shard(0)]``.
+    """
+
+    dp_axes: Sequence[MeshAxis]
+    """Mesh axes (index or name) forming data parallelism, in mesh order; today every axis."""
+    parameter: Sequence[Placement]
+    """Compute-weight placements, one per dp axis."""
+    gradient: Sequence[Placement]
+    """Main-gradient placements between microbatches, one per dp axis."""
+    optimizer: Sequence[Placement]
+    """Main-weight (optimizer) placements, one per dp axis."""
+
+    def __post_init__(self) -> None:
+        for field in ("parameter", "gradient", "optimizer"):
+            value = getattr(self, field)
+            if len(value) != len(self.dp_axes):
+                raise ValueError(
+                    f"Placements.{field} has {len(value)} entries for {len(self.dp_axes)} dp_axes; give one per axis"
+                )
+
+
+@contextlib.contextmanager
+def fully_shard_context(
+    device: Optional[torch.device] = None,
+    *,
+    use_symmetric_memory: bool = False,
+    unify_communication_stream: bool = False,
+) -> Iterator[FsdpContext]:
+    """Build FsdpModules that share prefetch orders and microbatch state; the model
+    may run once the block exits.
+
+    Args:
+        device: where sharded buffers live; default: the current CUDA device under
+            NCCL, else the CPU (upstream requires CUDA; this one also runs on gloo).
+        use_symmetric_memory: NCCL symmetric-memory buffers; not supported here.
+        unify_communication_stream: accepted, inert (no side streams here).
+    """
+    if _CONTEXT.get() is not None:
+        raise RuntimeError("fully_shard_context does not nest; shard every module inside one context")
+    if use_symmetric_memory:
+        raise NotImplementedError(
+            "use_symmetric_memory=True (NCCL symmetric memory) is not implemented in megatron_fsdp.experimental; "
+            "leave it False"
+        )
+    context = FsdpContext(device_lib.resolve_device(device), unify_communication_stream=unify_communication_stream)
+    token = _CONTEXT.set(context)
+    try:
+        yield context
+        context.finalize()
+    finally:
+        _CONTEXT.reset(token)
+
+
+def fully_shard(
+    module: nn.Module,
+    mesh: DeviceMesh,
+    placements: Placements,
+    mixed_precision_policy: Optional[MixedPrecisionPolicy] = None,
+    grad_divisor: int = 1,
+) -> FsdpModule:
+    """Shard the parameters of ``module`` not already owned by a sharded descendant.
+
+    The module's class becomes a subclass of ``FsdpModule`` (it keeps its identity,
+    so parents need no rewiring); its parameters become sharded DTensors. Returns
+    the module (upstream returns ``None``).
+
+    Args:
+        mesh: device mesh whose axes are the data-parallel axes.
+        placements: see ``Placements``.
+        mixed_precision_policy: default fp32 main weights, main gradients in the
+            parameter dtype (build the model in bf16 for bf16 compute).
+        grad_divisor: extra divisor of the reduced gradient, on top of the mean over
+            the mesh: ``ep_size`` for expert weights whose gradients already sum
+            over the expert-parallel ranks' tokens.
+    """
+    if isinstance(module, FsdpModule):
+        raise ValueError(f"{type(module).__name__} is already sharded by fully_shard; call it once per module")
+    context = _CONTEXT.get()
+    if context is None:
+        raise RuntimeError("call fully_shard inside `with fully_shard_context():`")
+    _check_dp_axes(mesh, placements.dp_axes)
+    policy = mixed_precision_policy or MixedPrecisionPolicy()
+    original = type(module)
+    module.__class__ = type(f"ExperimentalFsdp{original.__name__}", (FsdpModule, original), {})
+    try:
+        cast_module: FsdpModule = module  # type: ignore[assignment]
+        cast_module._fsdp_init(
+            context,
+            mesh,
+            model_weight_placements=tuple(placements.parameter),
+            main_grad_placements=tuple(placements.gradient),
+            main_weight_placements=tuple(placements.optimizer),
+            mixed_precision_policy=policy,
+            grad_divisor=grad_divisor,
+        )
+    except Exception:
+        module.__class__ = original
+        raise
+    return cast_module
+
+
+def _check_dp_axes(mesh: DeviceMesh, dp_axes: Sequence[MeshAxis]) -> None:
+    names = mesh.mesh_dim_names or ()
+    indices = []
+    for axis in dp_axes:
+        if isinstance(axis, str):
+            if axis not in names:
+                raise ValueError(f"dp axis {axis!r} is not a mesh dim name ({names})")
+            axis = names.index(axis)
+        elif not -mesh.ndim <= axis < mesh.ndim:
+            raise ValueError(f"dp axis {axis} is out of range for a {mesh.ndim}-d mesh")
+        indices.append(axis % mesh.ndim)
+    if indices != list(range(mesh.ndim)):
+        raise NotImplementedError(
+            f"dp_axes={list(dp_axes)} must name every mesh axis in order; pass the data-parallel "
+            "sub-mesh (e.g. mesh['dp']) instead of a larger mesh"
+        )
+
+
+@contextlib.contextmanager
+def microbatch(context: FsdpContext, is_last: bool) -> Iterator[None]:
+    """Mark the microbatches of a gradient-accumulation step. Needed where gradients
+    rest Partial across microbatches (HSDP, ZeRO-1/2): only the last one reduces
+    them. Plain ZeRO-3 reduces every backward and accumulates either way."""
+    context.ensure_finalized()
+    previous, context.is_last_microbatch = context.is_last_microbatch, is_last
+    try:
+        yield
+    finally:
+        context.is_last_microbatch = previous

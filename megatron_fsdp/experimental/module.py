@@ -1,0 +1,364 @@
+"""Runtime of experimental fully_shard: the ``FsdpModule`` mixin (hooks that gather,
+release and reduce one module's parameter groups) and the ``FsdpContext`` the
+modules of one model share (prefetch orders, microbatch state, pending reductions).
+
+[Note: schedule] Forward: a module's ``pre_forward`` waits for its own all-gather
+(launched by the module before it, as a prefetch, or now), launches the next
+module's all-gather asynchronously, and computes while it is in flight;
+``post_forward`` puts the sharded parameters back and frees the full weights.
+Backward: ``pre_backward`` (a full-backward pre-hook) does the same in backward
+order; once every owned parameter has accumulated its gradient,
+``post_backward`` frees the full weights and launches the gradient
+reduce-scatter asynchronously; the root's end-of-backward callback completes
+them all. So per step each module all-gathers twice and reduce-scatters once.
+
+[Note: recomputation] Activation checkpointing reruns a module's forward inside
+backward. Such a rerun keeps its full weights (its backward needs them next) and
+does not prefetch the next module in forward order, whose backward may be over.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import weakref
+from typing import Optional, cast
+
+import torch
+from torch import nn
+from torch.distributed import DeviceMesh
+from torch.distributed.tensor.placement_types import Placement
+from torch.profiler import record_function
+
+from ..allocator import BufferAccounting, StorageResizeAllocator
+from ..mixed_precision import MixedPrecisionPolicy
+from .parameter_group import FsdpParameterGroup, PendingReduction, get_containing_parameter_group
+from .placement import specialize_placements
+
+logger = logging.getLogger(__name__)
+
+
+def _in_backward() -> bool:
+    """Whether this thread runs inside an autograd graph task (recomputation)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class FsdpContext:
+    """State shared by the FsdpModules built in one ``fully_shard_context``."""
+
+    def __init__(self, device: torch.device, *, unify_communication_stream: bool = False) -> None:
+        self.device = device
+        self.unify_communication_stream = unify_communication_stream
+        """Accepted for upstream compatibility; collectives here run asynchronously on
+        the backend's own queue, not on side streams, so there is nothing to unify."""
+        self.is_last_microbatch = True
+        """False inside ``microbatch(context, is_last=False)``: HSDP/ZeRO-1/2 gradients
+        then stay unreduced across the outer axis until the last microbatch."""
+        self.accounting = BufferAccounting()
+        """Bytes of persistent buffers and of full weights / gradient buckets alive."""
+        self.allocator = StorageResizeAllocator(self.accounting)
+        self.forward_order: list[FsdpModule] = []
+        self.backward_order: list[FsdpModule] = []
+        self._registered: list[FsdpModule] = []
+        self._finalized = False
+        self._pending_reductions: list[tuple[FsdpModule, PendingReduction]] = []
+
+    def register_module(self, module: "FsdpModule") -> None:
+        if self._finalized:
+            raise RuntimeError("fully_shard was called after its fully_shard_context exited; call it inside")
+        self._registered.append(module)
+
+    def finalize(self) -> None:
+        """Find the roots, name every module, and fix the prefetch orders."""
+        if self._finalized:
+            raise RuntimeError("this fully_shard_context is already finalized")
+        children: set[int] = set()
+        for module in self._registered:
+            _nearest_fsdp_children(cast(nn.Module, module), children)
+        roots = [m for m in self._registered if id(m) not in children]
+        for root in roots:
+            root._is_root = True
+            for name, sub in cast(nn.Module, root).named_modules():
+                if isinstance(sub, FsdpModule):
+                    sub._name = name
+                    self.forward_order.append(sub)
+        for root in reversed(roots):
+            _backward_order(cast(nn.Module, root), self.backward_order)
+        for module in self.forward_order:
+            for group in module.parameter_groups:
+                group.rename(f"{module.name}:{group.name.partition(':')[2]}")
+        self._registered.clear()
+        self._finalized = True
+
+    def ensure_finalized(self) -> None:
+        if not self._finalized:
+            raise RuntimeError("run the model after leaving `with fully_shard_context():`, not inside it")
+
+    def next_in(self, order: list["FsdpModule"], module: "FsdpModule") -> Optional["FsdpModule"]:
+        index = next(i for i, m in enumerate(order) if m is module)
+        return order[index + 1] if index + 1 < len(order) else None
+
+    def queue_end_of_backward(self) -> None:
+        torch.autograd.Variable._execution_engine.queue_callback(self.end_of_backward)
+
+    def end_of_backward(self) -> None:
+        """Complete every gradient reduction in launch order and reset stragglers."""
+        for module in self.forward_order:
+            if module.phase is FsdpModule.Phase.BACKWARD and module._num_trainable == 0:
+                module.post_backward()
+        stuck = [m.name for m in self.forward_order if m.phase is FsdpModule.Phase.BACKWARD]
+        pending, self._pending_reductions = self._pending_reductions, []
+        for module, reduction in pending:
+            with record_function(f"megatron_fsdp::reduce_scatter_wait:{module.name}"):
+                reduction.group.finish_reduction(reduction, self.is_last_microbatch)
+        for module in self.forward_order:
+            module._reshard_if_unsharded()
+        if stuck:
+            raise RuntimeError(
+                f"modules {stuck} ran backward but not all their parameters received gradients; "
+                "unused parameters inside a sharded module are not supported (freeze them or shard them separately)"
+            )
+
+
+class FsdpModule:
+    """Mixed into a module's class by ``fully_shard``; the module keeps its identity."""
+
+    class Phase(enum.Enum):
+        RESTING = enum.auto()
+        """Sharded DTensor parameters installed; no full weights held."""
+        FORWARD = enum.auto()
+        """Between pre_forward and post_forward."""
+        BACKWARD = enum.auto()
+        """Between pre_backward and post_backward (recomputation happens inside)."""
+
+    def _fsdp_init(
+        self,
+        context: FsdpContext,
+        mesh: DeviceMesh,
+        *,
+        model_weight_placements: tuple[Placement, ...],
+        main_grad_placements: tuple[Placement, ...],
+        main_weight_placements: tuple[Placement, ...],
+        mixed_precision_policy: MixedPrecisionPolicy,
+        grad_divisor: int,
+    ) -> None:
+        if grad_divisor < 1:
+            raise ValueError(f"grad_divisor={grad_divisor} must be a positive integer (the expert-parallel size)")
+        self._context = context
+        self._is_root = False
+        self._name: Optional[str] = None
+        self._phase = FsdpModule.Phase.RESTING
+        self._unsharded = False
+        self._in_flight: list[FsdpParameterGroup] = []
+        self._num_ready = 0
+        groups = []
+        for key, params in _group_parameters(_owned_parameters(cast(nn.Module, self))).items():
+            groups.append(
+                FsdpParameterGroup(
+                    cast(nn.Module, self),
+                    params,
+                    mesh,
+                    model_weight_placements=specialize_placements(model_weight_placements),
+                    main_grad_placements=specialize_placements(main_grad_placements),
+                    main_weight_placements=specialize_placements(main_weight_placements),
+                    mixed_precision_policy=mixed_precision_policy,
+                    grad_divisor=grad_divisor,
+                    device=context.device,
+                    allocator=context.allocator,
+                    name=f"?:{key[0]}",
+                )
+            )
+        self._parameter_groups = tuple(groups)
+        self._num_trainable = sum(len(g.fsdp_parameters) for g in groups if g.requires_grad)
+        self._register_hooks()
+        context.register_module(self)
+
+    # -- properties -------------------------------------------------------------------------
+    @property
+    def context(self) -> FsdpContext:
+        return self._context
+
+    @property
+    def parameter_groups(self) -> tuple[FsdpParameterGroup, ...]:
+        return self._parameter_groups
+
+    @property
+    def name(self) -> str:
+        if self._name is None:
+            raise RuntimeError("module names are set when fully_shard_context exits")
+        return self._name or "<root>"
+
+    def is_root(self) -> bool:
+        return self._is_root
+
+    @property
+    def phase(self) -> "FsdpModule.Phase":
+        return self._phase
+
+    @phase.setter
+    def phase(self, phase: "FsdpModule.Phase") -> None:
+        resting = FsdpModule.Phase.RESTING
+        if phase is not resting and self._phase is not resting and phase is not self._phase:
+            raise RuntimeError(f"{self.name}: phase {self._phase.name} -> {phase.name} is not a valid transition")
+        self._phase = phase
+
+    # -- hooks ------------------------------------------------------------------------------
+    def _register_hooks(self) -> None:
+        module = cast(nn.Module, self)
+        # Hooks receive the module as an argument instead of closing over self, so
+        # they do not keep a deleted module alive.
+        module.register_forward_pre_hook(lambda m, _args: m.pre_forward())
+        module.register_forward_hook(lambda m, _args, _out: m.post_forward())
+        module.register_full_backward_pre_hook(lambda m, _grad_out: m.pre_backward())
+        module.register_load_state_dict_pre_hook(_refuse_assign_load)
+        if self._num_trainable == 0:
+            module.register_full_backward_hook(lambda m, _gi, _go: m.post_backward())
+            return
+        ref = weakref.ref(self)
+        for group in self._parameter_groups:
+            if group.requires_grad:
+                for p in group.fsdp_parameters:
+                    p.unsharded.register_post_accumulate_grad_hook(lambda _p: _on_grad_ready(ref))
+
+    def pre_forward(self) -> None:
+        self.context.ensure_finalized()
+        recomputing = self.phase is FsdpModule.Phase.BACKWARD or _in_backward()
+        if self.phase is not FsdpModule.Phase.BACKWARD:
+            self.phase = FsdpModule.Phase.FORWARD
+        if not recomputing:
+            self._num_ready = 0
+        self._launch_unshard()
+        if not recomputing:
+            following = self.context.next_in(self.context.forward_order, self)
+            if following is not None:
+                following._launch_unshard()
+        self._wait_unshard()
+
+    def post_forward(self) -> None:
+        recomputing = self.phase is FsdpModule.Phase.BACKWARD or _in_backward()
+        if not recomputing:
+            self._reshard()
+        if self.phase is FsdpModule.Phase.FORWARD:
+            self.phase = FsdpModule.Phase.RESTING
+
+    def pre_backward(self) -> None:
+        if self.phase is FsdpModule.Phase.BACKWARD:
+            return  # a second output of the same module
+        self.phase = FsdpModule.Phase.BACKWARD
+        if self.is_root():
+            self.context.queue_end_of_backward()
+        self._launch_unshard()
+        following = self.context.next_in(self.context.backward_order, self)
+        if following is not None:
+            following._launch_unshard()
+        self._wait_unshard()
+
+    def post_backward(self) -> None:
+        if self.phase is not FsdpModule.Phase.BACKWARD:
+            return  # a module whose forward ran without grad tracking
+        self._reshard()
+        for group in self._parameter_groups:
+            if not group.requires_grad:
+                continue
+            partial = group.pack_gradients()
+            if partial is None:
+                continue
+            with record_function(f"megatron_fsdp::reduce_scatter:{self.name}"):
+                self.context._pending_reductions.append((self, group.reduce_gradients(partial)))
+        self.phase = FsdpModule.Phase.RESTING
+
+    # -- gather / release --------------------------------------------------------------------
+    def _launch_unshard(self) -> None:
+        if self._unsharded or self._in_flight:
+            return
+        with record_function(f"megatron_fsdp::all_gather:{self._name or '<root>'}"):
+            for group in self._parameter_groups:
+                group.unshard_parameters(async_op=True)
+                self._in_flight.append(group)
+        if not self._parameter_groups:
+            self._unsharded = True
+
+    def _wait_unshard(self) -> None:
+        if self._unsharded:
+            return
+        with record_function(f"megatron_fsdp::all_gather_wait:{self.name}"):
+            for group in self._in_flight:
+                group.install_unsharded()
+        self._in_flight = []
+        self._unsharded = True
+
+    def _reshard(self) -> None:
+        self._wait_unshard()  # a gather still in flight must land before its buffer is freed
+        for group in self._parameter_groups:
+            group.reshard_parameters()
+            group.release_unsharded_storage()
+        self._unsharded = False
+
+    def _reshard_if_unsharded(self) -> None:
+        if self._unsharded or self._in_flight:
+            self._reshard()
+        self._phase = FsdpModule.Phase.RESTING
+
+
+def _on_grad_ready(ref: "weakref.ReferenceType[FsdpModule]") -> None:
+    module = ref()
+    if module is None:
+        return
+    module._num_ready += 1
+    if module._num_ready == module._num_trainable:
+        module.post_backward()
+
+
+def _refuse_assign_load(_module, _state_dict, _prefix, local_metadata, *_rest) -> None:
+    if local_metadata.get("assign_to_params_buffers", False):
+        raise RuntimeError(
+            "load_state_dict(assign=True) would replace parameters that fully_shard manages; "
+            "load before fully_shard, use assign=False, or use experimental.load_checkpoint"
+        )
+
+
+def _nearest_fsdp_children(module: nn.Module, out: set[int]) -> None:
+    for child in module.children():
+        if isinstance(child, FsdpModule):
+            out.add(id(child))
+        else:
+            _nearest_fsdp_children(child, out)
+
+
+def _backward_order(module: nn.Module, order: list[FsdpModule]) -> None:
+    if isinstance(module, FsdpModule):
+        order.append(module)
+    for child in reversed(list(module.children())):
+        _backward_order(child, order)
+
+
+def _owned_parameters(root: nn.Module) -> dict[str, nn.Parameter]:
+    """Parameters under ``root`` not owned by an FsdpModule nested inside it (by name;
+    a tied weight appears under each of its names)."""
+    owned: dict[str, nn.Parameter] = {}
+
+    def visit(module: nn.Module, prefix: str) -> None:
+        for name, p in module.named_parameters(recurse=False, remove_duplicate=False):
+            fqn = f"{prefix}{name}"
+            if get_containing_parameter_group(p) is not None:
+                raise ValueError(
+                    f"parameter {fqn!r} already belongs to another fully_shard module; "
+                    "a weight tied across modules must be owned by their common ancestor"
+                )
+            owned[fqn] = p
+        for child_name, child in module.named_children():
+            if not isinstance(child, FsdpModule):
+                visit(child, f"{prefix}{child_name}.")
+
+    visit(root, "")
+    return owned
+
+
+def _group_parameters(params: dict[str, nn.Parameter]) -> dict[tuple, dict[str, nn.Parameter]]:
+    groups: dict[tuple, dict[str, nn.Parameter]] = {}
+    for fqn, p in params.items():
+        if p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise NotImplementedError(f"parameter {fqn!r} has dtype {p.dtype}; fp32, bf16 and fp16 are supported")
+        key = (str(p.dtype).removeprefix("torch."), p.requires_grad)
+        groups.setdefault(key, {})[fqn] = p
+    return groups

@@ -1,0 +1,318 @@
+"""One dtype- and requires_grad-homogeneous group of the parameters a module owns,
+and the four DBuffers behind it:
+
+=======================  ====================  ======================================
+buffer                   placements            role
+=======================  ====================  ======================================
+``main_weight``          ``Placements.optimizer``  what the optimizer steps (the sharded
+                                                   DTensor parameters are views of it)
+``model_weight``         ``Placements.parameter``  compute dtype; the same object as
+                                                   ``main_weight`` when dtypes match
+``_unsharded_model_weight``  all ``Replicate``    full weights for compute; storage
+                                                   released between uses
+``main_grad``            ``Placements.gradient``   reduced gradients (the sharded
+                                                   parameters' ``.grad`` are views)
+=======================  ====================  ======================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Iterable
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.distributed import DeviceMesh
+from torch.distributed.tensor import Partial, Replicate
+from torch.distributed.tensor.placement_types import Placement
+from torch.utils.weak import WeakIdKeyDictionary
+
+from ..allocator import StorageResizeAllocator
+from ..mixed_precision import MixedPrecisionPolicy
+from .dbuffer import DBuffer
+from .placement import changed_mesh_axis
+
+# Parameter (sharded or unsharded) -> the group owning it. Weak on both sides, so
+# neither a parameter nor a group is kept alive by this table; keyed by identity
+# (a plain WeakKeyDictionary would compare tensors with ==).
+_OWNER: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
+
+
+def get_containing_parameter_group(parameter: torch.Tensor) -> Optional["FsdpParameterGroup"]:
+    """The group that owns ``parameter`` (``None``: not managed by experimental fully_shard)."""
+    ref = _OWNER.get(parameter)
+    return ref() if ref is not None else None
+
+
+def sync_model_weights_from_main_weights(parameters: Iterable[torch.Tensor]) -> None:
+    """Refresh the compute weights of every group among ``parameters``, once per group."""
+    seen: set[int] = set()
+    for parameter in parameters:
+        group = get_containing_parameter_group(parameter)
+        if group is not None and id(group) not in seen:
+            seen.add(id(group))
+            group.sync_model_weight_from_main_weight()
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class FsdpParameter:
+    """One physical parameter: its names, its sharded (optimizer) and unsharded (compute) forms."""
+
+    fqns: tuple[str, ...]
+    """Every name under the owning module (tied weights have several)."""
+    sharded: nn.Parameter
+    unsharded: nn.Parameter
+
+
+class FsdpParameterGroup:
+    """Buffers and parameter swapping for one group (see the module docstring)."""
+
+    def __init__(
+        self,
+        owning_module: nn.Module,
+        parameters: dict[str, nn.Parameter],
+        mesh: DeviceMesh,
+        *,
+        model_weight_placements: tuple[Placement, ...],
+        main_grad_placements: tuple[Placement, ...],
+        main_weight_placements: tuple[Placement, ...],
+        mixed_precision_policy: MixedPrecisionPolicy,
+        grad_divisor: int,
+        device: torch.device,
+        allocator: StorageResizeAllocator,
+        name: str,
+    ) -> None:
+        if not parameters:
+            raise ValueError("FsdpParameterGroup needs at least one parameter")
+        fqns_of: dict[nn.Parameter, list[str]] = {}
+        for fqn, parameter in parameters.items():
+            fqns_of.setdefault(parameter, []).append(fqn)
+        first = next(iter(fqns_of))
+        self._owning_module = weakref.ref(owning_module)
+        self.mesh, self.grad_divisor, self.name = mesh, grad_divisor, name
+        self.dtype, self.requires_grad = first.dtype, first.requires_grad
+        self._model_weight_placements = model_weight_placements
+        self._main_grad_placements = main_grad_placements
+        self._allocator = allocator
+        accounting = allocator.accounting
+        shapes = [p.shape for p in fqns_of]
+
+        main_dtype = mixed_precision_policy.main_params_dtype or self.dtype
+        self.main_weight = DBuffer.distribute_tensors(
+            [p.detach().to(main_dtype) for p in fqns_of], mesh, main_weight_placements, device=device, name=name
+        )
+        accounting.add_persistent("main_weights", _nbytes(self.main_weight))
+        # model_weight rests in the optimizer's placements and is redistributed to the
+        # parameter placements at the first unshard after each refresh (ZeRO-1/2 gather once).
+        self.model_weight = self.main_weight.cast(self.dtype)
+        if self.model_weight is not self.main_weight:
+            accounting.add_persistent("model_weights", _nbytes(self.model_weight))
+        self._synced_version = self.main_weight.local_buffer._version
+        replicated = (Replicate(),) * mesh.ndim
+        self._unsharded_model_weight = DBuffer(mesh, replicated, shapes, self.dtype, device, name=name)
+        self.main_grad: Optional[DBuffer] = None
+        if self.requires_grad:
+            grad_dtype = mixed_precision_policy.grads_dtype_for(self.dtype)
+            self.main_grad = DBuffer(mesh, main_grad_placements, shapes, grad_dtype, device, name=name)
+            accounting.add_persistent("main_grads", _nbytes(self.main_grad))
+        self.fsdp_parameters = tuple(self._make_parameters(fqns_of))
+        self._bind_unsharded(self._unsharded_model_weight)
+        self.reshard_parameters()
+        self._unsharded_model_weight.release_storage()
+        # Counted from here on: every reallocation is a temporary full-weight buffer.
+        self._unsharded_model_weight.allocator = allocator
+
+    def _make_parameters(self, fqns_of: dict[nn.Parameter, list[str]]) -> list[FsdpParameter]:
+        out = []
+        grad_dtype = self.main_grad.dtype if self.main_grad is not None else None
+        for index, (parameter, fqns) in enumerate(fqns_of.items()):
+            view = self._unsharded_model_weight.get_local_tensor(index)
+            if parameter.is_meta:
+                # A meta tensor's data cannot be pointed at real storage; swap in a real
+                # Parameter keeping the object's identity (and attributes, hooks).
+                torch.utils.swap_tensors(parameter, nn.Parameter(view, requires_grad=parameter.requires_grad))
+            parameter.grad = None
+            sharded = nn.Parameter(self.main_weight.get_dtensor(index), requires_grad=parameter.requires_grad)
+            if grad_dtype is not None:
+                # The optimizer sees main-dtype weights with main-grad-dtype gradients.
+                sharded.grad_dtype = grad_dtype
+            _OWNER[parameter] = _OWNER[sharded] = weakref.ref(self)
+            out.append(FsdpParameter(fqns=tuple(fqns), sharded=sharded, unsharded=parameter))
+        return out
+
+    def rename(self, name: str) -> None:
+        """Label this group's collectives (names are known once the context is finalized)."""
+        self.name = name
+        for buffer in (self.main_weight, self.model_weight, self._unsharded_model_weight, self.main_grad):
+            if buffer is not None:
+                buffer.name = name
+
+    # -- parameter swapping ----------------------------------------------------------------
+    def _set_module_parameter(self, fqns: tuple[str, ...], parameter: nn.Parameter) -> None:
+        owner = self._owning_module()
+        if owner is None:
+            raise RuntimeError("an FSDP parameter group outlived its module")
+        for fqn in fqns:
+            prefix, _, leaf = fqn.rpartition(".")
+            module = owner.get_submodule(prefix) if prefix else owner
+            module._parameters[leaf] = parameter
+
+    def _bind_unsharded(self, unsharded: DBuffer) -> None:
+        for index, fsdp_parameter in enumerate(self.fsdp_parameters):
+            fsdp_parameter.unsharded.data = unsharded.get_local_tensor(index)
+
+    def reshard_parameters(self) -> None:
+        """Install the sharded DTensor parameters on the modules."""
+        for p in self.fsdp_parameters:
+            self._set_module_parameter(p.fqns, p.sharded)
+
+    def _install_unsharded(self) -> None:
+        for p in self.fsdp_parameters:
+            self._set_module_parameter(p.fqns, p.unsharded)
+
+    # -- weights -------------------------------------------------------------------------
+    def sync_model_weight_from_main_weight(self) -> None:
+        """Refresh the compute weights from the (optimizer-updated) main weights."""
+        reuse = (
+            self.model_weight is not self.main_weight
+            and self.model_weight.placements == self.main_weight.placements
+            and self.model_weight.dtype == self.dtype
+        )
+        self.model_weight = self.main_weight.cast(self.dtype, out=self.model_weight if reuse else None)
+        self._synced_version = self.main_weight.local_buffer._version
+
+    def _refresh_if_stale(self) -> None:
+        # The optimizer writes main_weight in place, which bumps its version counter:
+        # a changed version means compute weights older than the main weights.
+        if self.model_weight is not self.main_weight or self.model_weight.placements != self._model_weight_placements:
+            if self.main_weight.local_buffer._version != self._synced_version:
+                self.sync_model_weight_from_main_weight()
+
+    @property
+    def _replicated(self) -> bool:
+        return all(isinstance(p, Replicate) for p in self._model_weight_placements)
+
+    def unshard_parameters(self, *, async_op: bool = False) -> Optional[DBuffer]:
+        """Start materialising the full weights; returns the buffer to ``wait()`` on
+        (``None`` when nothing is in flight), then call ``install_unsharded``."""
+        self._refresh_if_stale()
+        if self.model_weight.placements != self._model_weight_placements:
+            self.model_weight = self.model_weight.redistribute(self._model_weight_placements)
+            self._synced_version = self.main_weight.local_buffer._version
+        if self._replicated:
+            return None
+        target = self._unsharded_model_weight
+        target.reallocate_storage()
+        # Autograd saved views of these parameters in forward; writing the gathered
+        # values back into the same storage is not a change it should see.
+        with torch.autograd._unsafe_preserve_version_counter(target.local_buffer):
+            self.model_weight.redistribute(target.placements, out=target, async_op=async_op)
+        return target
+
+    def install_unsharded(self) -> None:
+        """After the gather completed: point the parameters at the full weights and install them."""
+        source = self.model_weight if self._replicated else self._unsharded_model_weight
+        if source.is_pending:
+            with torch.autograd._unsafe_preserve_version_counter(source.local_buffer):
+                source.wait()
+        self._bind_unsharded(source)
+        self._install_unsharded()
+
+    def release_unsharded_storage(self) -> None:
+        if not self._replicated:
+            self._unsharded_model_weight.release_storage()
+
+    # -- gradients -------------------------------------------------------------------------
+    def _has_sharded_grads(self) -> bool:
+        present = [p.sharded.grad is not None for p in self.fsdp_parameters]
+        if any(present) and not all(present):
+            missing = [p.fqns[0] for p, has in zip(self.fsdp_parameters, present) if not has]
+            raise RuntimeError(
+                f"{self.name}: some sharded gradients were set to None by hand ({missing}); "
+                "clear all of a module's gradients or none (optimizer.zero_grad does this)"
+            )
+        return all(present)
+
+    def pack_gradients(self) -> Optional[DBuffer]:
+        """Copy the full local gradients into one Partial buffer and free them.
+        ``None`` when no parameter of the group received a gradient."""
+        grads = [p.unsharded.grad for p in self.fsdp_parameters]
+        if all(g is None for g in grads):
+            return None
+        missing = [p.fqns[0] for p, g in zip(self.fsdp_parameters, grads) if g is None]
+        if missing:
+            raise RuntimeError(
+                f"{self.name}: parameters {missing} got no gradient while others of the same module did; "
+                "unused parameters inside a sharded module are not supported: remove them, freeze them "
+                "(requires_grad=False) before fully_shard, or shard them in a module of their own"
+            )
+        dtype = self.main_grad.dtype if self.main_grad is not None else grads[0].dtype
+        partial = DBuffer(
+            self.mesh, (Partial("avg"),) * self.mesh.ndim, [g.shape for g in grads], dtype, grads[0].device,
+            name=self.name,
+        )
+        self._allocator.accounting.on_alloc(_nbytes(partial))
+        for index, p in enumerate(self.fsdp_parameters):
+            partial.get_local_tensor(index).copy_(p.unsharded.grad)
+            p.unsharded.grad = None
+        return partial
+
+    def reduce_gradients(self, partial: DBuffer) -> "PendingReduction":
+        """Launch the reduction of ``partial`` into ``main_grad`` (asynchronously)."""
+        assert self.main_grad is not None
+        accumulate = self._has_sharded_grads()
+        if self.main_grad.placements != self._main_grad_placements:
+            self._reset_main_grad(accumulate)
+        direct = not accumulate
+        reduced = partial.redistribute(
+            self.main_grad.placements, out=self.main_grad if direct else None, async_op=True
+        )
+        return PendingReduction(group=self, partial=partial, reduced=reduced, accumulate=accumulate)
+
+    def _reset_main_grad(self, accumulate: bool) -> None:
+        # The previous step finalised main_grad into the optimizer placements; go back
+        # to the accumulation placements (a relabel for HSDP, a new buffer for HFSDP).
+        axis = changed_mesh_axis(self.main_grad.placements, self._main_grad_placements)
+        if isinstance(self.main_grad.placements[axis], Replicate):
+            self.main_grad = self.main_grad.redistribute(self._main_grad_placements)
+            return
+        old = self.main_grad
+        self.main_grad = DBuffer(
+            self.mesh, self._main_grad_placements, self.main_weight.layout.tensor_shapes, old.dtype, old.device,
+            name=self.name,
+        )
+        if accumulate:
+            # zero_grad(set_to_none=False) zeroed the old (smaller) buffer; start from zero.
+            self.main_grad.local_buffer.zero_()
+
+    def finish_reduction(self, pending: "PendingReduction", is_last_microbatch: bool) -> None:
+        """Wait for the reduction, accumulate, finalise on the last microbatch, bind ``.grad``."""
+        reduced = pending.reduced.wait()
+        self._allocator.accounting.on_free(_nbytes(pending.partial))
+        if self.grad_divisor != 1:
+            reduced.local_buffer.div_(self.grad_divisor)
+        if pending.accumulate:
+            self.main_grad.local_buffer.add_(reduced.local_buffer)
+        elif reduced is not self.main_grad:
+            self.main_grad.local_buffer.copy_(reduced.local_buffer)
+        if is_last_microbatch and self.main_grad.placements != self.main_weight.placements:
+            self.main_grad = self.main_grad.redistribute(self.main_weight.placements)
+        for index, p in enumerate(self.fsdp_parameters):
+            p.sharded.grad = self.main_grad.get_dtensor(index)
+
+
+@dataclasses.dataclass(eq=False)
+class PendingReduction:
+    """A gradient reduction in flight; the module finishes it at the end of backward."""
+
+    group: FsdpParameterGroup
+    partial: DBuffer
+    """Keeps the reduce-scatter input alive until the collective completed."""
+    reduced: DBuffer
+    accumulate: bool
+
+
+def _nbytes(buffer: DBuffer) -> int:
+    return buffer.local_buffer.numel() * buffer.local_buffer.element_size()
