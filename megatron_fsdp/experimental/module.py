@@ -6,11 +6,11 @@ modules of one model share (prefetch orders, microbatch state, pending reduction
 (launched by the module before it, as a prefetch, or now), launches the next
 module's all-gather asynchronously, and computes while it is in flight;
 ``post_forward`` puts the sharded parameters back and frees the full weights.
-Backward: ``pre_backward`` (a full-backward pre-hook) does the same in backward
+Backward: ``pre_backward`` (a hook on the module's outputs' gradients) does the same in backward
 order; once every owned parameter has accumulated its gradient,
-``post_backward`` frees the full weights and launches the gradient
-reduce-scatter asynchronously; the root's end-of-backward callback completes
-them all. So per step each module all-gathers twice and reduce-scatters once.
+``post_backward`` frees the full weights, completes the previous module's
+reduce-scatter (which overlapped this module's backward) and launches its own
+asynchronously; the root's end-of-backward callback completes the last one. So per step each module all-gathers twice and reduce-scatters once.
 
 [Note: recomputation] Activation checkpointing reruns a module's forward inside
 backward. Such a rerun keeps its full weights (its backward needs them next) and
@@ -29,6 +29,7 @@ from torch import nn
 from torch.distributed import DeviceMesh
 from torch.distributed.tensor.placement_types import Placement
 from torch.profiler import record_function
+from torch.utils._pytree import tree_flatten
 
 from ..allocator import BufferAccounting, StorageResizeAllocator
 from ..mixed_precision import MixedPrecisionPolicy
@@ -101,16 +102,22 @@ class FsdpContext:
     def queue_end_of_backward(self) -> None:
         torch.autograd.Variable._execution_engine.queue_callback(self.end_of_backward)
 
-    def end_of_backward(self) -> None:
-        """Complete every gradient reduction in launch order and reset stragglers."""
-        for module in self.forward_order:
-            if module.phase is FsdpModule.Phase.BACKWARD and module._num_trainable == 0:
-                module.post_backward()
-        stuck = [m.name for m in self.forward_order if m.phase is FsdpModule.Phase.BACKWARD]
+    def finish_reductions(self) -> None:
+        """Complete the gradient reductions in flight, in launch order."""
         pending, self._pending_reductions = self._pending_reductions, []
         for module, reduction in pending:
             with record_function(f"megatron_fsdp::reduce_scatter_wait:{module.name}"):
                 reduction.group.finish_reduction(reduction, self.is_last_microbatch)
+
+    def end_of_backward(self) -> None:
+        """Complete every gradient reduction in launch order and reset stragglers."""
+        # Modules without trainable parameters have no gradient to wait for: they
+        # give their (frozen) full weights back here.
+        for module in self.forward_order:
+            if module.phase is FsdpModule.Phase.BACKWARD and module._num_trainable == 0:
+                module.post_backward()
+        stuck = [m.name for m in self.forward_order if m.phase is FsdpModule.Phase.BACKWARD]
+        self.finish_reductions()
         for module in self.forward_order:
             module._reshard_if_unsharded()
         if stuck:
@@ -208,12 +215,8 @@ class FsdpModule:
         # Hooks receive the module as an argument instead of closing over self, so
         # they do not keep a deleted module alive.
         module.register_forward_pre_hook(lambda m, _args: m.pre_forward())
-        module.register_forward_hook(lambda m, _args, _out: m.post_forward())
-        module.register_full_backward_pre_hook(lambda m, _grad_out: m.pre_backward())
+        module.register_forward_hook(lambda m, _args, out: m.post_forward(out))
         module.register_load_state_dict_pre_hook(_refuse_assign_load)
-        if self._num_trainable == 0:
-            module.register_full_backward_hook(lambda m, _gi, _go: m.post_backward())
-            return
         ref = weakref.ref(self)
         for group in self._parameter_groups:
             if group.requires_grad:
@@ -234,10 +237,16 @@ class FsdpModule:
                 following._launch_unshard()
         self._wait_unshard()
 
-    def post_forward(self) -> None:
+    def post_forward(self, output: object = None) -> None:
         recomputing = self.phase is FsdpModule.Phase.BACKWARD or _in_backward()
         if not recomputing:
             self._reshard()
+        # Backward reaches this module when the first gradient of its outputs is
+        # computed. (A reentrant checkpoint's rerun is where its outputs get a graph.)
+        needing_grad = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if needing_grad:
+            ref = weakref.ref(self)
+            torch.autograd.graph.register_multi_grad_hook(needing_grad, lambda _grads: _on_pre_backward(ref), mode="any")
         if self.phase is FsdpModule.Phase.FORWARD:
             self.phase = FsdpModule.Phase.RESTING
 
@@ -257,6 +266,9 @@ class FsdpModule:
         if self.phase is not FsdpModule.Phase.BACKWARD:
             return  # a module whose forward ran without grad tracking
         self._reshard()
+        # The previous module's reduce-scatter overlapped this module's backward;
+        # finishing it now frees its gradient bucket (at most one module's in flight).
+        self.context.finish_reductions()
         for group in self._parameter_groups:
             if not group.requires_grad:
                 continue
@@ -298,6 +310,12 @@ class FsdpModule:
         if self._unsharded or self._in_flight:
             self._reshard()
         self._phase = FsdpModule.Phase.RESTING
+
+
+def _on_pre_backward(ref: "weakref.ReferenceType[FsdpModule]") -> None:
+    module = ref()
+    if module is not None:
+        module.pre_backward()
 
 
 def _on_grad_ready(ref: "weakref.ReferenceType[FsdpModule]") -> None:

@@ -1,0 +1,514 @@
+"""megatron_fsdp.experimental (upstream's per-module fully_shard on DBuffers):
+training parity with single-process training and with PyTorch FSDP2, collective
+counts, prefetch, nested ownership, recomputation, meta init, mixed precision,
+HSDP / ZeRO-1/2 placements, memory, checkpoints and errors. Every distributed
+test runs at world sizes 2 and 4 (gloo, shared pool)."""
+
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.utils.checkpoint import checkpoint
+
+from megatron_fsdp import MixedPrecisionPolicy, record_collectives
+from megatron_fsdp.experimental import (
+    FsdpModule,
+    Placements,
+    full_state_dict,
+    fully_shard,
+    fully_shard_context,
+    fully_shard_optimizer,
+    load_checkpoint,
+    microbatch,
+    save_checkpoint,
+)
+from models import Block, Net, loss_fn, make_batches, make_model, make_optimizer, max_param_diff, train_reference
+
+TOL = 1e-5
+
+
+def placements_for(name: str) -> Placements:
+    match name:
+        case "zero3":
+            return Placements(dp_axes=[0], parameter=[Shard(0)], gradient=[Shard(0)], optimizer=[Shard(0)])
+        case "zero2":
+            return Placements(dp_axes=[0], parameter=[Replicate()], gradient=[Shard(0)], optimizer=[Shard(0)])
+        case "zero1":
+            return Placements(dp_axes=[0], parameter=[Replicate()], gradient=[Partial("avg")], optimizer=[Shard(0)])
+        case "no_shard":
+            return Placements(dp_axes=[0], parameter=[Replicate()], gradient=[Partial("avg")], optimizer=[Replicate()])
+        case "hsdp":
+            return Placements(
+                dp_axes=[0, 1],
+                parameter=[Replicate(), Shard(0)],
+                gradient=[Partial("avg"), Shard(0)],
+                optimizer=[Replicate(), Shard(0)],
+            )
+    raise ValueError(name)
+
+
+def make_mesh(world: int, name: str):
+    if name == "hsdp":
+        return init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("outer", "inner"))
+    return init_device_mesh("cpu", (world,))
+
+
+class ReentrantNet(Net):
+    """Net with reentrant activation checkpointing of every block."""
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = checkpoint(block, h, use_reentrant=True)
+        return self.out(h)
+
+
+def shard_net(model: nn.Module, mesh, placements: Placements, policy=None):
+    """Blocks first, then the root (which keeps inp/out): a torchtitan-style bottom-up pass."""
+    with fully_shard_context() as context:
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, placements=placements, mixed_precision_policy=policy)
+        fully_shard(model, mesh=mesh, placements=placements, mixed_precision_policy=policy)
+    return context
+
+
+def train_sharded(model, context, batches, optimizer, rank, world, microbatches=1, dtype=None):
+    opt = make_optimizer(optimizer)(model.parameters())
+    fully_shard_optimizer(opt)
+    for x, y in batches:
+        opt.zero_grad()
+        xs, ys = x.chunk(world)[rank].chunk(microbatches), y.chunk(world)[rank].chunk(microbatches)
+        for i, (xm, ym) in enumerate(zip(xs, ys)):
+            if dtype is not None:
+                xm, ym = xm.to(dtype), ym.to(dtype)
+            with microbatch(context, is_last=i == len(xs) - 1):
+                (loss_fn("net", model(xm), ym) / len(xs)).backward()
+        opt.step()
+    return opt
+
+
+# -- workers (run on every rank of the pool) -----------------------------------------------
+def parity_worker(rank, world, *, strategy, optimizer="adamw", microbatches=1, steps=3, recompute=None):
+    model = make_model("net", d=8, depth=3)
+    batches = make_batches("net", steps, batch=4 * world * microbatches)
+    reference = train_reference(model, "net", batches, optimizer)
+    if recompute == "reentrant":
+        model.__class__ = ReentrantNet
+    model.recompute = recompute == "non_reentrant"
+    context = shard_net(model, make_mesh(world, strategy), placements_for(strategy))
+    train_sharded(model, context, batches, optimizer, rank, world, microbatches)
+    resting = all(m.phase is FsdpModule.Phase.RESTING for m in context.forward_order)
+    all_dtensor = all(isinstance(p, DTensor) for p in model.parameters())
+    released = all(
+        g._unsharded_model_weight.local_buffer.untyped_storage().nbytes() == 0
+        for m in context.forward_order
+        for g in m.parameter_groups
+        if not g._replicated
+    )
+    return {
+        "diff": max_param_diff(full_state_dict(model), reference),
+        "resting": resting,
+        "all_dtensor": all_dtensor,
+        "released": released,
+    }
+
+
+def fsdp2_worker(rank, world, *, steps=3):
+    from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+
+    model = make_model("net", d=8, depth=3)
+    batches = make_batches("net", steps, batch=4 * world)
+    reference = train_reference(model, "net", batches, "adamw")
+    fsdp2_model = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", (world,))
+    for block in fsdp2_model.blocks:
+        fsdp2_fully_shard(block, mesh=mesh)
+    fsdp2_fully_shard(fsdp2_model, mesh=mesh)
+    opt = make_optimizer("adamw")(fsdp2_model.parameters())
+    for x, y in batches:
+        opt.zero_grad()
+        loss_fn("net", fsdp2_model(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+        opt.step()
+    fsdp2_full = {n: p.full_tensor() for n, p in fsdp2_model.named_parameters()}
+    context = shard_net(model, mesh, placements_for("zero3"))
+    train_sharded(model, context, batches, "adamw", rank, world)
+    ours = full_state_dict(model)
+    return {
+        "ours_vs_fsdp2": max((ours[n] - fsdp2_full[n]).abs().max().item() for n in fsdp2_full),
+        "ours_vs_reference": max_param_diff(ours, reference),
+        "fsdp2_vs_reference": max_param_diff(fsdp2_full, reference),
+        "same_sharded_names": sorted(n for n, _ in model.named_parameters()) == sorted(fsdp2_full),
+    }
+
+
+def counts_worker(rank, world):
+    model = make_model("net", d=8, depth=3)
+    context = shard_net(model, make_mesh(world, "zero3"), placements_for("zero3"))
+    opt = make_optimizer("adamw")(model.parameters())
+    fully_shard_optimizer(opt)
+    x, y = make_batches("net", 1, batch=4 * world)[0]
+    order = []
+    for m in context.forward_order:
+        # Registered after fully_shard's own pre-hook: runs when the module starts computing.
+        m.register_forward_pre_hook(
+            lambda mod, _a: order.append(("compute", mod.name, [n.name for n in context.forward_order if n._in_flight])) and None
+        )
+    per_step = []
+    for _ in range(2):
+        opt.zero_grad()
+        with record_collectives() as rec:
+            loss_fn("net", model(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+            opt.step()
+        per_step.append({"counts": dict(rec.counts), "labels": list(rec.labels)})
+    return {"steps": per_step, "order": order[:4], "modules": [m.name for m in context.forward_order]}
+
+
+def nested_worker(rank, world):
+    model = make_model("tied", d=8, depth=2)
+    mesh = make_mesh(world, "zero3")
+    with fully_shard_context() as context:
+        fully_shard(model.blocks[0], mesh=mesh, placements=placements_for("zero3"))
+        fully_shard(model, mesh=mesh, placements=placements_for("zero3"))
+    root_fqns = [p.fqns for g in model.parameter_groups for p in g.fsdp_parameters]
+    child_fqns = [p.fqns for g in model.blocks[0].parameter_groups for p in g.fsdp_parameters]
+    return {
+        "root": root_fqns,
+        "child": child_fqns,
+        "roots": [m.name for m in context.forward_order if m.is_root()],
+        "backward": [m.name for m in context.backward_order],
+        "n_params": len(list(model.parameters())),
+    }
+
+
+def meta_init_worker(rank, world, *, steps=3):
+    torch.manual_seed(7)
+    with torch.device("meta"):
+        model = Net(d=8, depth=3)
+    context = shard_net(model, make_mesh(world, "zero3"), placements_for("zero3"))
+    torch.manual_seed(7)
+    for module in model.modules():
+        if callable(getattr(module, "reset_parameters", None)):
+            module.reset_parameters()
+    no_meta = not any(p.is_meta for p in model.parameters())
+    initial = full_state_dict(model)
+    # Single-process reference from the very weights the sharded init produced.
+    eager = Net(d=8, depth=3)
+    eager.load_state_dict(initial)
+    bound_ok = all(initial[f"blocks.{i}.fc1.weight"].abs().max() <= 8 ** -0.5 + 1e-7 for i in range(3))
+    distinct = not torch.equal(initial["blocks.0.fc1.weight"], initial["blocks.1.fc1.weight"])
+    batches = make_batches("net", steps, batch=4 * world)
+    reference = train_reference(eager, "net", batches, "adamw")
+    train_sharded(model, context, batches, "adamw", rank, world)
+    return {
+        "no_meta": no_meta,
+        "bound_ok": bound_ok,
+        "distinct": distinct,
+        "initial": initial["blocks.0.fc1.weight"],
+        "diff": max_param_diff(full_state_dict(model), reference),
+    }
+
+
+def mixed_precision_worker(rank, world, *, steps=3):
+    """bf16 model, fp32 main weights, bf16 main gradients, against a single-process
+    emulation of the same recipe: fp32 master weights, a bf16 copy for the
+    forward/backward on the global batch, gradients cast to fp32 for AdamW."""
+    model = make_model("net", d=8, depth=3)
+    batches = make_batches("net", steps, batch=4 * world)
+    master = copy.deepcopy(model)
+    master_opt = make_optimizer("adamw")(master.parameters())
+    model = model.to(torch.bfloat16)
+    context = shard_net(model, make_mesh(world, "zero3"), placements_for("zero3"), MixedPrecisionPolicy())
+    opt = make_optimizer("adamw")(model.parameters())
+    fully_shard_optimizer(opt)
+    seen = {}
+    model.blocks[0].register_forward_pre_hook(lambda m, _a: seen.update(compute=m.fc1.weight.dtype))
+    loss_gaps = []
+    for x, y in batches:
+        x, y = x.to(torch.bfloat16), y.to(torch.bfloat16)
+        compute = copy.deepcopy(master).to(torch.bfloat16)
+        loss_fn("net", compute(x).float(), y.float()).backward()
+        with torch.no_grad():
+            reference_local = loss_fn("net", compute(x.chunk(world)[rank]).float(), y.chunk(world)[rank].float())
+        for p, c in zip(master.parameters(), compute.parameters()):
+            p.grad = c.grad.float()
+        master_opt.step()
+        opt.zero_grad()
+        loss = loss_fn("net", model(x.chunk(world)[rank]).float(), y.chunk(world)[rank].float())
+        loss.backward()
+        grad_dtype = model.blocks[0].fc1.weight.grad.dtype
+        opt.step()
+        loss_gaps.append(abs(loss.item() - reference_local.item()))
+    group = model.blocks[0].parameter_groups[0]
+    state = opt.state[model.blocks[0].fc1.weight]
+    return {
+        "param_dtype": model.blocks[0].fc1.weight.dtype,
+        "grad_dtype": grad_dtype,
+        "compute_dtype": seen["compute"],
+        "main_grad_dtype": group.main_grad.dtype,
+        "model_weight_dtype": group.model_weight.dtype,
+        "state_dtype": state["exp_avg"].dtype,
+        "weight_gap": max_param_diff(full_state_dict(model), master),
+        "loss_gap": max(loss_gaps),
+    }
+
+
+class MLPBlock(nn.Module):
+    """Transformer-like sizes (rows of 64 and 256): little row-alignment padding."""
+
+    def __init__(self, d: int = 64) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.up = nn.Linear(d, 4 * d)
+        self.down = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class MLPNet(nn.Module):
+    def __init__(self, d: int = 64, depth: int = 6) -> None:
+        super().__init__()
+        self.inp = nn.Linear(5, d)
+        self.blocks = nn.ModuleList(MLPBlock(d) for _ in range(depth))
+        self.out = nn.Linear(d, 3)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.out(h)
+
+
+def memory_worker(rank, world):
+    torch.manual_seed(0)
+    model = MLPNet()
+    full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    context = shard_net(model, make_mesh(world, "zero3"), placements_for("zero3"))
+    opt = make_optimizer("adamw")(model.parameters())
+    fully_shard_optimizer(opt)
+    x, y = make_batches("net", 1, batch=4 * world)[0]
+    context.accounting.reset_peak()
+    for _ in range(2):
+        opt.zero_grad()
+        loss_fn("net", model(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+        opt.step()
+    acc = context.accounting
+    return {
+        "full_bytes": full_bytes,
+        "persistent": acc.total_persistent,
+        "peak_temporary": acc.peak_temporary,
+        "temporary_now": acc.temporary,
+        "largest_module": max(
+            sum(p.sharded.numel() * 4 for g in m.parameter_groups for p in g.fsdp_parameters) for m in context.forward_order
+        ),
+    }
+
+
+def checkpoint_worker(rank, world, *, directory):
+    batches = make_batches("net", 4, batch=4 * world)
+
+    def build():
+        model = make_model("net", d=8, depth=3)
+        context = shard_net(model, make_mesh(world, "zero3"), placements_for("zero3"))
+        return model, context
+
+    model, context = build()
+    opt = train_sharded(model, context, batches[:2], "adamw", rank, world)
+    save_checkpoint(model, opt, directory)
+    for x, y in batches[2:]:
+        opt.zero_grad()
+        loss_fn("net", model(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+        opt.step()
+    expected = full_state_dict(model)
+    torch.manual_seed(99)
+    model2, context2 = build()
+    opt2 = make_optimizer("adamw")(model2.parameters())
+    fully_shard_optimizer(opt2)
+    load_checkpoint(model2, opt2, directory)
+    for x, y in batches[2:]:
+        opt2.zero_grad()
+        loss_fn("net", model2(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+        opt2.step()
+    got = full_state_dict(model2)
+    return max((expected[n] - got[n]).abs().max().item() for n in expected)
+
+
+def errors_worker(rank, world):
+    mesh = make_mesh(world, "zero3")
+    zero3 = placements_for("zero3")
+    raised = {}
+
+    def expect(name, fn, exc):
+        try:
+            fn()
+        except exc as e:
+            raised[name] = str(e)
+
+    expect("outside_context", lambda: fully_shard(nn.Linear(2, 2), mesh=mesh, placements=zero3), RuntimeError)
+
+    def twice():
+        layer = nn.Linear(2, 2)
+        with fully_shard_context():
+            fully_shard(layer, mesh=mesh, placements=zero3)
+            fully_shard(layer, mesh=mesh, placements=zero3)
+
+    expect("twice", twice, ValueError)
+
+    def shard_dim1():
+        with fully_shard_context():
+            fully_shard(nn.Linear(2, 2), mesh=mesh, placements=Placements(
+                dp_axes=[0], parameter=[Shard(1)], gradient=[Shard(0)], optimizer=[Shard(0)]))
+
+    expect("shard_dim1", shard_dim1, NotImplementedError)
+    expect("lengths", lambda: Placements(dp_axes=[0], parameter=[], gradient=[Shard(0)], optimizer=[Shard(0)]),
+           ValueError)
+
+    def symmetric():
+        with fully_shard_context(use_symmetric_memory=True):
+            pass
+
+    expect("symmetric", symmetric, NotImplementedError)
+
+    def run_inside():
+        layer = nn.Linear(2, 2)
+        with fully_shard_context():
+            fully_shard(layer, mesh=mesh, placements=zero3)
+            layer(torch.ones(1, 2))
+
+    expect("run_inside", run_inside, RuntimeError)
+
+    def tied_across():
+        model = make_model("tied", d=4, depth=1)
+        with fully_shard_context():
+            fully_shard(model.embed, mesh=mesh, placements=zero3)
+            fully_shard(model.head, mesh=mesh, placements=zero3)
+
+    expect("tied_across", tied_across, ValueError)
+    layer = nn.Linear(2, 2)
+    before = type(layer)
+    try:
+        with fully_shard_context():
+            fully_shard(layer, mesh=mesh, placements=Placements(
+                dp_axes=[0], parameter=[Shard(2)], gradient=[Shard(0)], optimizer=[Shard(0)]))
+    except NotImplementedError:
+        pass
+    raised["class_restored"] = type(layer) is before
+    return raised
+
+
+# -- tests ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("strategy", ["zero3", "zero2", "zero1", "no_shard"])
+def test_training_equals_single_process(pool, strategy):
+    for result in pool.run(parity_worker, strategy=strategy):
+        assert result["diff"] < TOL, result
+        assert result["resting"] and result["all_dtensor"] and result["released"], result
+
+
+@pytest.mark.parametrize("optimizer", ["sgd_momentum"])
+def test_training_equals_single_process_sgd(pool, optimizer):
+    for result in pool.run(parity_worker, strategy="zero3", optimizer=optimizer):
+        assert result["diff"] < TOL, result
+
+
+@pytest.mark.parametrize("strategy", ["zero3", "zero1"])
+def test_gradient_accumulation_with_microbatches(pool, strategy):
+    for result in pool.run(parity_worker, strategy=strategy, microbatches=3):
+        assert result["diff"] < TOL, result
+
+
+def test_hsdp_equals_single_process(pool4):
+    for result in pool4.run(parity_worker, strategy="hsdp", microbatches=2):
+        assert result["diff"] < TOL, result
+
+
+@pytest.mark.parametrize("recompute", ["non_reentrant", "reentrant"])
+def test_activation_recomputation(pool, recompute):
+    for result in pool.run(parity_worker, strategy="zero3", recompute=recompute):
+        assert result["diff"] < TOL, result
+        assert result["resting"] and result["all_dtensor"] and result["released"], result
+
+
+def test_equals_fsdp2_fully_shard(pool):
+    for result in pool.run(fsdp2_worker):
+        assert result["same_sharded_names"]
+        assert result["ours_vs_fsdp2"] < TOL, result
+        assert result["ours_vs_reference"] < TOL and result["fsdp2_vs_reference"] < TOL, result
+
+
+def test_collective_counts_and_prefetch(pool):
+    for result in pool.run(counts_worker):
+        modules = result["modules"]
+        assert modules == ["<root>", "blocks.0", "blocks.1", "blocks.2"]
+        for step in result["steps"]:
+            # One all-gather per module in forward and one in backward, one reduce-scatter each.
+            assert step["counts"] == {"all_gather": 2 * len(modules), "reduce_scatter": len(modules)}, step
+            gathers = [label for kind, label in step["labels"] if kind == "all_gather"]
+            assert sorted(gathers) == sorted(f"{m}:float32" for m in modules * 2)
+            assert gathers[:4] == [f"{m}:float32" for m in modules], gathers  # forward order
+            reduces = [label for kind, label in step["labels"] if kind == "reduce_scatter"]
+            assert reduces == [f"{m}:float32" for m in reversed(modules)], reduces
+        # When a module starts computing, the next module's gather is already in flight.
+        for (_, name, in_flight), following in zip(result["order"], modules[1:]):
+            assert following in in_flight, (name, in_flight)
+
+
+def test_nested_ownership(pool):
+    for result in pool.run(nested_worker):
+        assert result["child"] == [("norm.weight",), ("norm.bias",), ("fc1.weight",), ("fc1.bias",),
+                                   ("fc2.weight",), ("fc2.bias",)]
+        # The tied embedding/head weight is one physical parameter with two names.
+        assert ("embed.weight", "head.weight") in result["root"]
+        assert not any(fqns[0].startswith("blocks.0.") for fqns in result["root"])
+        assert result["roots"] == ["<root>"]
+        assert result["backward"] == ["<root>", "blocks.0"]
+
+
+def test_meta_device_init_via_reset_parameters(pool):
+    results = pool.run(meta_init_worker)
+    for result in results:
+        assert result["no_meta"] and result["bound_ok"] and result["distinct"], result
+        assert result["diff"] < TOL, result
+    assert all(torch.equal(results[0]["initial"], r["initial"]) for r in results)
+
+
+def test_mixed_precision_fp32_main_weights_bf16_grads(pool):
+    for result in pool.run(mixed_precision_worker):
+        assert result["param_dtype"] == torch.float32  # the optimizer steps fp32 main weights
+        assert result["grad_dtype"] == torch.bfloat16 and result["main_grad_dtype"] == torch.bfloat16
+        assert result["compute_dtype"] == torch.bfloat16 and result["model_weight_dtype"] == torch.bfloat16
+        assert result["state_dtype"] == torch.float32
+        # bf16 compute and bf16 gradient averaging: equal at bf16 resolution
+        # (bf16 spacing near 1 is 7.8e-3; the weights here are O(0.3)).
+        assert result["loss_gap"] < 1e-2, result
+        assert result["weight_gap"] < 1e-2, result
+
+
+def test_peak_memory_below_unsharded_model(pool):
+    for result in pool.run(memory_worker):
+        unsharded = 2 * result["full_bytes"]  # weights + gradients of the unsharded model
+        assert result["persistent"] + result["peak_temporary"] < unsharded, result
+        assert result["peak_temporary"] < result["full_bytes"], result
+        assert result["temporary_now"] == 0, result
+
+
+def test_checkpoint_round_trip(pool):
+    with tempfile.TemporaryDirectory() as directory:
+        for diff in pool.run(checkpoint_worker, directory=directory):
+            assert diff == 0.0
+
+
+def test_errors_name_the_problem(pool2):
+    raised = pool2.run(errors_worker)[0]
+    assert set(raised) == {"outside_context", "twice", "shard_dim1", "lengths", "symmetric", "run_inside",
+                           "tied_across", "class_restored"}, raised
+    assert "fully_shard_context" in raised["outside_context"]
+    assert "Shard(0)" in raised["shard_dim1"]
+    assert "common ancestor" in raised["tied_across"]
+    assert raised["class_restored"] is True
