@@ -103,12 +103,14 @@ class FsdpParameterGroup:
         self.main_weight = DBuffer.distribute_tensors(
             [p.detach().to(main_dtype) for p in fqns_of], mesh, main_weight_placements, device=device, name=name
         )
-        accounting.add_persistent("main_weights", _nbytes(self.main_weight))
         # model_weight rests in the optimizer's placements and is redistributed to the
         # parameter placements at the first unshard after each refresh (ZeRO-1/2 gather once).
         self.model_weight = self.main_weight.cast(self.dtype)
+        # As in the main engine: one buffer is "model weights"; a separate main-weight
+        # buffer exists only for a narrower compute dtype.
+        accounting.add_persistent("model_weights", _nbytes(self.model_weight))
         if self.model_weight is not self.main_weight:
-            accounting.add_persistent("model_weights", _nbytes(self.model_weight))
+            accounting.add_persistent("main_weights", _nbytes(self.main_weight))
         self._synced_version = self.main_weight.local_buffer._version
         replicated = (Replicate(),) * mesh.ndim
         self._unsharded_model_weight = DBuffer(mesh, replicated, shapes, self.dtype, device, name=name)

@@ -94,7 +94,7 @@ def _cross_check(spec: ImplSpec, per_kind: dict, package: dict, bucket_numel: fl
     """Does the bench's wrapper agree with an independent count (megatron_fsdp's own
     recorder; the DDP hook's bucket sizes)? ``None`` where there is none."""
     counted = {k: v["bytes_per_step"] for k, v in per_kind.items() if v["bytes_per_step"]}
-    if spec.family is Family.MEGATRON_FSDP:
+    if spec.family in (Family.MEGATRON_FSDP, Family.EXPERIMENTAL):
         agree = counted == {k: v for k, v in package.items() if v}
     elif spec.family is Family.DDP:
         agree = counted == {"all_reduce": bucket_numel * elem}
@@ -102,7 +102,7 @@ def _cross_check(spec: ImplSpec, per_kind: dict, package: dict, bucket_numel: fl
         return None
     if not agree:
         logger.warning("%s: the bench counter saw %s but the cross-check saw %s", spec.name, counted,
-                       package if spec.family is Family.MEGATRON_FSDP else bucket_numel * elem)
+                       package if spec.family is not Family.DDP else bucket_numel * elem)
     return agree
 
 

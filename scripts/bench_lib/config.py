@@ -27,6 +27,8 @@ class Family(enum.Enum):
     DDP = "ddp"
     FSDP2 = "fsdp2"
     MEGATRON_FSDP = "megatron_fsdp"
+    EXPERIMENTAL = "megatron_fsdp.experimental"
+    """Per-module fully_shard on DBuffers (upstream's v2 API), ZeRO-3 placements."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -62,6 +64,7 @@ def all_impls(strategies: tuple[str, ...] = MEGATRON_STRATEGIES) -> list[ImplSpe
             impls.append(
                 ImplSpec(name=f"mfsdp_{strategy}", family=Family.MEGATRON_FSDP, zero_level=level, strategy=strategy)
             )
+    impls.append(ImplSpec(name="mfsdp_experimental", family=Family.EXPERIMENTAL, zero_level=3))
     return impls
 
 

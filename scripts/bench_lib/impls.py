@@ -9,7 +9,12 @@ with ``AdamW(lr)`` on the same tokens, and in fp32 unless ``--dtype bf16``:
 DDP        fp32 params, bf16 autocast   bf16 (``bf16_compress_hook``)       fp32 params
 FSDP2      bf16 (``param_dtype``)       bf16 (``reduce_dtype``)             fp32 sharded params
 mfsdp      bf16 model weights           bf16 (main grads in param dtype)    fp32 main weights
+mfsdp_exp  bf16 model weights           bf16 (main grads in param dtype)    fp32 main weights
 =========  ===========================  ==================================  ===================
+
+``mfsdp_exp`` is ``megatron_fsdp.experimental.fully_shard`` applied per
+transformer block and then to the root, all ``Shard(0)`` (ZeRO-3), with
+``fully_shard_optimizer``.
 
 DDP uses ``gradient_as_bucket_view=True`` (its memory-lean setting: gradients
 live in the all-reduce buckets instead of beside them) and a counting
@@ -136,6 +141,8 @@ def build_trainer(spec: ImplSpec, gpt_config: GPTConfig, *, dtype: str, seed: in
             return _build_fsdp2(spec, module, counts, compute_dtype, comm_elem, make_optimizer)
         case Family.MEGATRON_FSDP:
             return _build_megatron(spec, module, counts, compute_dtype, comm_elem, make_optimizer, double_buffer)
+        case Family.EXPERIMENTAL:
+            return _build_experimental(spec, module, counts, compute_dtype, comm_elem, make_optimizer)
     raise ValueError(f"implementation family {spec.family!r} has no builder; add one to impls.py")
 
 
@@ -196,4 +203,31 @@ def _build_megatron(spec, module, counts, compute_dtype, comm_elem, make_optimiz
         sizes=ElementSizes(weights=comm_elem, grads=comm_elem),
         comm_elem=comm_elem,
         drain=model.finish_param_sync,
+    )
+
+
+def _build_experimental(spec, module, counts, compute_dtype, comm_elem, make_optimizer) -> Trainer:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+
+    from megatron_fsdp import experimental as mx
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    zero3 = mx.Placements(dp_axes=[0], parameter=[Shard(0)], gradient=[Shard(0)], optimizer=[Shard(0)])
+    module = module.to(compute_dtype)
+    with mx.fully_shard_context(torch.device("cpu")) as context:
+        for block in module.blocks:
+            mx.fully_shard(block, mesh=mesh, placements=zero3)
+        mx.fully_shard(module, mesh=mesh, placements=zero3)
+    optimizer = make_optimizer(module.parameters())
+    mx.fully_shard_optimizer(optimizer)
+    # Trainer.memory reads the same accounting categories as the main engine's.
+    module.buffer_accounting = context.accounting
+    return Trainer(
+        spec=spec,
+        model=module,
+        optimizer=optimizer,
+        counts=counts,
+        sizes=ElementSizes(weights=comm_elem, grads=comm_elem),
+        comm_elem=comm_elem,
     )

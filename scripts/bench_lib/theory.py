@@ -44,6 +44,8 @@ def min_comm_bytes(spec: ImplSpec, counts: ParamCounts, elem: int) -> dict[str, 
         # DDP / ZeRO-0: one all-reduce of the gradients.
         return {"all_reduce": elem * counts.total}
     gathered = 2 * counts.blocks + counts.root if spec.gathers_params_twice else counts.total
+    if spec.family is Family.EXPERIMENTAL:
+        gathered = 2 * counts.total  # every module, the root too, is gathered again for backward
     if spec.gathers_params_twice and spec.family is Family.MEGATRON_FSDP:
         gathered -= counts.last_block
     return {"all_gather": elem * gathered, "reduce_scatter": elem * counts.total}
