@@ -423,8 +423,9 @@ def test_gradient_accumulation_with_microbatches(pool, strategy):
         assert result["diff"] < TOL, result
 
 
-def test_hsdp_equals_single_process(pool4):
-    for result in pool4.run(parity_worker, strategy="hsdp", microbatches=2):
+def test_hsdp_equals_single_process(pool):
+    # World 2 is a 2 x 1 mesh: a trivial inner axis, the outer all-reduce still deferred.
+    for result in pool.run(parity_worker, strategy="hsdp", microbatches=2):
         assert result["diff"] < TOL, result
 
 
@@ -567,3 +568,106 @@ def test_llama_example_trains_like_single_process(pool):
         assert losses[-1] < losses[0] - 0.2, losses
         # Same weights after meta init and sharding, same data: the loss curves agree.
         assert max(abs(a - b) for a, b in zip(losses, reference)) < 1e-4, (losses, reference)
+
+
+# -- expert parallelism ----------------------------------------------------------------------
+class _GatherTokens(torch.autograd.Function):
+    """All-gather the tokens of the expert-parallel group; backward sums each
+    token's gradient over the experts that saw it."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        import torch.distributed as dist
+
+        ctx.group, ctx.rank, ctx.n = group, dist.get_rank(group), dist.get_world_size(group)
+        parts = [torch.empty_like(x) for _ in range(ctx.n)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad.chunk(ctx.n)[ctx.rank], None
+
+
+class _CombineExperts(torch.autograd.Function):
+    """Sum every expert's output for this rank's tokens; backward hands each expert
+    the gradients of all the group's tokens."""
+
+    @staticmethod
+    def forward(ctx, y, group):
+        import torch.distributed as dist
+
+        ctx.group, ctx.rank, ctx.n = group, dist.get_rank(group), dist.get_world_size(group)
+        y = y.clone()
+        dist.all_reduce(y, group=group)
+        return y.chunk(ctx.n)[ctx.rank].clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(grad) for _ in range(ctx.n)]
+        dist.all_gather(parts, grad.contiguous(), group=ctx.group)
+        return torch.cat(parts), None
+
+
+class MoENet(nn.Module):
+    """Dense input/output layers around ``n_experts`` expert blocks whose outputs are
+    summed (every token visits every expert: routing is not what is tested here)."""
+
+    def __init__(self, d: int = 8, n_experts: int = 2, ep_group=None, expert_index=None) -> None:
+        super().__init__()
+        self.inp = nn.Linear(5, d)
+        self.experts = nn.ModuleList(Block(d) for _ in range(n_experts))
+        self.out = nn.Linear(d, 3)
+        self.ep_group, self.expert_index = ep_group, expert_index
+
+    def forward(self, x):
+        h = self.inp(x)
+        if self.ep_group is None:  # single process: all experts here
+            return self.out(sum(expert(h) - h for expert in self.experts))
+        tokens = _GatherTokens.apply(h, self.ep_group)
+        mine = self.experts[self.expert_index]
+        return self.out(_CombineExperts.apply(mine(tokens) - tokens, self.ep_group))
+
+
+def expert_parallel_worker(rank, world, *, steps=3):
+    ep = 2
+    mesh = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("edp", "ep"))
+    dense_mesh = init_device_mesh("cpu", (world,))
+    ep_rank = mesh.get_local_rank("ep")
+    torch.manual_seed(0)
+    model = MoENet(n_experts=ep)
+    batches = make_batches("net", steps, batch=4 * world)
+    reference = train_reference(model, "net", batches, "adamw")
+    model.ep_group, model.expert_index = mesh.get_group("ep"), ep_rank
+    # This rank keeps only its own expert; the others are dropped before sharding.
+    for index in range(ep):
+        if index != ep_rank:
+            model.experts[index] = nn.Identity()
+    zero3 = placements_for("zero3")
+    with fully_shard_context() as context:
+        # Expert weights: sharded over the expert-data-parallel ranks; their gradient
+        # already sums over the ep ranks' tokens, hence grad_divisor=ep.
+        fully_shard(model.experts[ep_rank], mesh=mesh["edp"], placements=zero3, grad_divisor=ep)
+        fully_shard(model, mesh=dense_mesh, placements=zero3)
+    train_sharded(model, context, batches, "adamw", rank, world)
+    full = full_state_dict(model)
+    # Expert e of the reference is this rank's expert: the same index on both sides.
+    reference_state = dict(reference.named_parameters())
+    diff = max((value - reference_state[name]).abs().max().item() for name, value in full.items())
+    return {"diff": diff, "expert_names": sorted(n for n in full if n.startswith("experts."))}
+
+
+def test_expert_parallel_mesh(pool):
+    results = pool.run(expert_parallel_worker)
+    for rank, result in enumerate(results):
+        assert result["diff"] < TOL, result
+    assert {tuple(r["expert_names"]) for r in results} == {
+        tuple(f"experts.{e}.{p}" for p in ("fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight", "norm.bias", "norm.weight"))
+        for e in range(2)
+    }
