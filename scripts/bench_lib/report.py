@@ -99,7 +99,7 @@ def summary(record: dict) -> str:
 def write_json(record: dict, out_dir: str) -> str:
     path = os.path.join(out_dir, f"bench_{record['config']['model']}_w{record['config']['world']}.json")
     with open(path, "w") as f:
-        json.dump(record, f, indent=2)
+        json.dump(record, f, indent=2, default=str)  # GPTConfig holds enums (Normalization, ...)
     return path
 
 
