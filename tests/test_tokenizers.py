@@ -107,11 +107,19 @@ def test_re_fallback_splits_words_like_regex(monkeypatch):
 
 
 @pytest.mark.skipif(not HAS_TOKENIZERS, reason="the tokenizers package is not installed")
-def test_huggingface_tokenizer_from_a_local_directory(tmp_path, bpe):
+@pytest.mark.parametrize("reader", ["transformers", "tokenizers"])
+def test_huggingface_tokenizer_from_a_local_directory(tmp_path, bpe, reader, monkeypatch):
+    if reader == "transformers":
+        pytest.importorskip("transformers")
+    else:  # as on a machine without transformers: tokenizer.json read by the tokenizers package
+        monkeypatch.setattr(tk, "_load_transformers", lambda path: None)
     fast = tk._fast_bpe(bpe.encoder, bpe.merges)
     fast.add_special_tokens(["<|endoftext|>"])
     fast.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>"}), encoding="utf-8")
     hf = tk.build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(tmp_path))
+    assert (hf._hf is not None) == (reader == "transformers")
     assert hf.vocab_size == bpe.vocab_size and hf.eod == bpe.eod
     assert hf.tokenize(CORPUS[:3000]) == bpe.tokenize_python(CORPUS[:3000])
     assert hf.detokenize(hf.tokenize(CORPUS[:500])) == CORPUS[:500]
