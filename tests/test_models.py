@@ -344,6 +344,21 @@ def test_moe_layer_is_the_weighted_sum_of_its_top_k_experts():
     torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
 
 
+def test_shared_expert_and_topk_scaling():
+    cfg = GPTConfig(num_moe_experts=4, ffn_hidden_size=32, add_bias_linear=False,
+                    moe_shared_expert_intermediate_size=24, moe_router_topk_scaling_factor=2.5)
+    torch.manual_seed(0)
+    layer = MoELayer(cfg)
+    assert layer.shared_experts.fc.weight.shape == (24, 64)
+    assert not any(is_expert_param(p) for p in layer.shared_experts.parameters())
+    x = torch.randn(2, 3, 64)
+    routed = layer(x) - layer.shared_experts(x)
+    layer.scaling_factor = None
+    torch.testing.assert_close(routed, 2.5 * (layer(x) - layer.shared_experts(x)), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="--disable-bias-linear"):
+        GPTConfig(num_moe_experts=4, moe_shared_expert_intermediate_size=24)
+
+
 def test_switch_aux_loss_formula():
     logits, coeff = torch.randn(10, 4), 0.3
     _, idx = route(logits, 2)

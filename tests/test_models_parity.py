@@ -29,8 +29,8 @@ LLAMA = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_grou
              untie_embeddings_and_output_weights=True, add_bias_linear=False)
 MOE = dict(LLAMA, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24, moe_aux_loss_coeff=0.05)
 FAMILIES = {"llama": LLAMA, "llama_qk_norm": dict(LLAMA, qk_layernorm=True), "moe": MOE,
-            "moe_recompute": dict(MOE, recompute_granularity="full", recompute_method="uniform",
-                                  recompute_num_layers=2)}
+            "moe_recompute_shared": dict(MOE, recompute_granularity="full", recompute_method="uniform",
+                                         recompute_num_layers=2, moe_shared_expert_intermediate_size=16)}
 
 
 def _batches(world: int, vocab: int) -> list[torch.Tensor]:
@@ -99,7 +99,7 @@ def _expert_group_placement(fsdp_model, expt_mesh) -> dict:
 @pytest.mark.parametrize("strategy", ["optim_grads_params", "no_shard"])
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_models_train_like_a_single_process(pool2, family, strategy, optimizer):
-    if family in ("llama_qk_norm", "moe_recompute") and optimizer == "sgd":
+    if family in ("llama_qk_norm", "moe_recompute_shared") and optimizer == "sgd":
         pytest.skip("variants run with AdamW only (the CPU budget is shared)")
     results = pool2.run(parity_worker, family=family, strategy=strategy, optimizer=optimizer)
     diffs = [diff for diff, _ in results]

@@ -179,6 +179,13 @@ class GPTConfig:
     moe_router_pre_softmax: bool = False
     """Softmax over all experts before top-k (probabilities not renormalised over the
     k chosen); by default softmax over the k chosen logits, as Megatron."""
+    moe_router_topk_scaling_factor: Optional[float] = None
+    """Multiply the k routing probabilities by this (DeepSeek); ``None`` = 1."""
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    """Width of a shared expert MLP that every token goes through besides its routed
+    experts (its output is added); ``None`` = no shared expert. As in Megatron-core it
+    takes no biases, so it needs ``add_bias_linear=False``. Its parameters are dense
+    (not expert) parameters."""
     moe_layer_freq: Union[int, list[int]] = 1
     """Which layers are MoE: every N-th layer (layer i when i % N == 0), or a 0/1 list
     with one entry per layer (Megatron's ``--moe-layer-freq``)."""
@@ -294,6 +301,13 @@ class GPTConfig:
                              f"{self.num_moe_experts}")
         if self.moe_ffn_hidden_size is None:
             self.moe_ffn_hidden_size = self.ffn_hidden_size
+        shared = self.moe_shared_expert_intermediate_size
+        if shared is not None and (shared <= 0 or self.add_bias_linear):
+            raise ValueError(f"moe_shared_expert_intermediate_size={shared} needs a positive size and "
+                             "add_bias_linear=False (shared experts take no biases, as in Megatron-core; "
+                             "pass --disable-bias-linear)")
+        if self.moe_router_topk_scaling_factor is not None and self.moe_router_topk_scaling_factor <= 0:
+            raise ValueError(f"moe_router_topk_scaling_factor={self.moe_router_topk_scaling_factor} must be positive")
         if self.moe_aux_loss_coeff < 0:
             raise ValueError(f"moe_aux_loss_coeff={self.moe_aux_loss_coeff} must be >= 0")
         pattern = self.moe_layer_pattern

@@ -77,6 +77,8 @@ def _transformer_config(cfg: GPTConfig, args: argparse.Namespace):
         changes.update(num_moe_experts=cfg.num_moe_experts, moe_router_topk=cfg.moe_router_topk,
                        moe_ffn_hidden_size=cfg.moe_ffn_hidden_size, moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
                        moe_router_pre_softmax=cfg.moe_router_pre_softmax, moe_token_dispatcher_type="allgather",
+                       moe_router_topk_scaling_factor=cfg.moe_router_topk_scaling_factor,
+                       moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size,
                        moe_router_load_balancing_type="aux_loss" if cfg.moe_aux_loss_coeff > 0 else "none")
     config = transformer_config_from_args(args)
     # replace() re-runs TransformerConfig's validation with the added fields.
@@ -138,6 +140,7 @@ _LAYER_NAMES = {  # ours (inside blocks.i.) -> megatron-core's (inside decoder.l
     "ln_1": "input_layernorm", "ln_2": "pre_mlp_layernorm", "attn.proj": "self_attention.linear_proj",
     "attn.q_layernorm": "self_attention.q_layernorm", "attn.k_layernorm": "self_attention.k_layernorm",
     "mlp.fc": "mlp.linear_fc1", "mlp.proj": "mlp.linear_fc2", "mlp.router": "mlp.router",
+    "mlp.shared_experts.fc": "mlp.shared_experts.linear_fc1", "mlp.shared_experts.proj": "mlp.shared_experts.linear_fc2",
 }
 
 

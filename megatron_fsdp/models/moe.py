@@ -123,9 +123,13 @@ class MoELayer(nn.Module):
         self.topk = cfg.moe_router_topk
         self.pre_softmax = cfg.moe_router_pre_softmax
         self.aux_loss_coeff = cfg.moe_aux_loss_coeff
+        self.scaling_factor = cfg.moe_router_topk_scaling_factor
         self.router = TopKRouter(cfg)
         self.experts = nn.ModuleList(MLP(cfg, cfg.moe_ffn_hidden_size) for _ in range(cfg.num_moe_experts))
         mark_expert_parameters(self.experts)
+        if cfg.moe_shared_expert_intermediate_size is not None:
+            # Every token's; replicated like any dense weight (no expert mark).
+            self.shared_experts = MLP(cfg, cfg.moe_shared_expert_intermediate_size)
         self.aux_loss_scale = 1.0
         """Gradient handed to the aux loss in backward; see [Note: attaching the aux loss]."""
         self.last_aux_loss: torch.Tensor | None = None
@@ -135,12 +139,16 @@ class MoELayer(nn.Module):
         tokens = x.reshape(-1, x.shape[-1])  # (n, hidden), n = b * t
         logits = self.router(tokens)  # (n, E)
         probs, indices = route(logits, self.topk, self.pre_softmax)  # (n, k), (n, k)
+        if self.scaling_factor is not None:
+            probs = probs * self.scaling_factor
         out = torch.zeros_like(tokens)
         for e, expert in enumerate(self.experts):
             # Every expert runs, on zero tokens if need be: its gradient is then an
             # explicit zero rather than missing, the same on every rank.
             rows, slot = (indices == e).nonzero(as_tuple=True)  # tokens routed to e, and which of their k picks
             out = out.index_add(0, rows, expert(tokens[rows]) * probs[rows, slot].unsqueeze(-1))
+        if hasattr(self, "shared_experts"):
+            out = out + self.shared_experts(tokens)
         out = out.view_as(x)  # (b, t, hidden)
         if self.aux_loss_coeff > 0 and self.training and torch.is_grad_enabled():
             aux_loss = switch_load_balancing_loss(logits, indices, self.aux_loss_coeff)

@@ -114,6 +114,9 @@ def megatron_flags(cfg: GPTConfig) -> dict[str, Any]:
         flags.update({"--num-experts": cfg.num_moe_experts, "--moe-router-topk": cfg.moe_router_topk,
                       "--moe-ffn-hidden-size": cfg.moe_ffn_hidden_size,
                       "--moe-aux-loss-coeff": cfg.moe_aux_loss_coeff})
+        optional = {"--moe-shared-expert-intermediate-size": cfg.moe_shared_expert_intermediate_size,
+                    "--moe-router-topk-scaling-factor": cfg.moe_router_topk_scaling_factor}
+        flags.update({flag: value for flag, value in optional.items() if value is not None})
     return flags
 
 
