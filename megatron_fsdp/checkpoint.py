@@ -10,6 +10,8 @@ anything, and reshard freely (DCP reads by global offsets).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import shutil
@@ -26,11 +28,15 @@ from torch.utils._pytree import tree_map
 from torch.distributed.tensor import DTensor
 
 from .megatron_fsdp import MegatronFSDP, owner_of
+from .optimizer import init_optimizer_state
 from .state_dict import StateDictMismatchError, checkpointable, clone_for_load
 
 logger = logging.getLogger(__name__)
 
 EXTRA_STATE_FILE = "extra_state_rank{rank}.pt"
+CHECKSUM_FILE = "checksums.json"
+"""sha256 of every other file of the checkpoint, written last (at save) and checked
+before anything is read (at load)."""
 
 
 class CheckpointReadError(RuntimeError):
@@ -74,30 +80,12 @@ def preprocess_optimizer_state_dict(optimizer: torch.optim.Optimizer, state_dict
     return state_dict
 
 
-@torch.no_grad()
-def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create the optimizer's state tensors without changing any parameter, so that a
-    checkpoint can be loaded into them in place.
-
-    Runs one step of the underlying optimizer with learning rate 0 on zero gradients
-    (parameters move by exactly 0); every value it creates is then overwritten by
-    the checkpoint. Never called outside loading.
-    """
-    saved_lr = [group["lr"] for group in optimizer.param_groups]
-    zero_grads = []
-    for group in optimizer.param_groups:
-        group["lr"] = torch.zeros_like(group["lr"]) if isinstance(group["lr"], torch.Tensor) else 0.0
-        for p in group["params"]:
-            if p.requires_grad and p.grad is None:
-                p.grad = torch.zeros_like(p)
-                zero_grads.append(p)
-    try:
-        type(optimizer).step(optimizer)  # the class's step: no model hooks
-    finally:
-        for group, lr in zip(optimizer.param_groups, saved_lr):
-            group["lr"] = lr
-        for p in zero_grads:
-            p.grad = None
+def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Create the optimizer's state tensors (as its first step would, without taking
+    one: no parameter and no existing state changes), so that a checkpoint can be
+    loaded into them in place. ``fully_shard_optimizer`` already does this; returns
+    the parameters that got new state."""
+    return init_optimizer_state(optimizer)
 
 
 # -- save ---------------------------------------------------------------------------------
@@ -132,6 +120,8 @@ def save_checkpoint(
             torch.save(extra_state, tmp / EXTRA_STATE_FILE.format(rank=rank))
         phase = "waiting for every rank to finish writing"
         dist.barrier()
+        phase = "recording checksums"
+        _write_checksums(tmp)
     except (Exception, CheckpointException) as exc:
         raise CheckpointWriteError(
             f"rank {rank}: saving the checkpoint {final} failed while {phase}: {exc}. Nothing was published; "
@@ -151,6 +141,58 @@ def _publish(tmp: Path, final: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         tmp.rename(final)
+
+
+# -- checksums ------------------------------------------------------------------------------
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _write_checksums(directory: Path) -> None:
+    """Each rank hashes its share of the files; rank 0 writes them all. Collective."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    files = sorted(p.name for p in directory.iterdir() if p.is_file() and p.name != CHECKSUM_FILE)
+    mine = {name: _sha256(directory / name) for i, name in enumerate(files) if i % world == rank}
+    shares: list = [None] * world
+    dist.all_gather_object(shares, mine)
+    if rank == 0:
+        table = {name: digest for share in shares for name, digest in share.items()}
+        (directory / CHECKSUM_FILE).write_text(json.dumps(table, indent=0, sort_keys=True))
+    dist.barrier()
+
+
+def _verify_checksums(directory: Path) -> None:
+    """Raise CheckpointReadError naming every missing or altered file, on every rank,
+    before anything is read. Checkpoints written before checksums existed pass."""
+    table_file = directory / CHECKSUM_FILE
+    problems: list[str] = []
+    table: dict[str, str] = {}
+    if table_file.exists():
+        try:
+            table = json.loads(table_file.read_text())
+        except (ValueError, OSError) as exc:
+            problems.append(f"{CHECKSUM_FILE} is unreadable ({exc})")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for i, (name, digest) in enumerate(sorted(table.items())):
+        if i % world != rank:
+            continue
+        path = directory / name
+        if not path.exists():
+            problems.append(f"{name} is missing")
+        elif _sha256(path) != digest:
+            problems.append(f"{name} does not match its checksum (altered or truncated)")
+    found: list = [None] * world
+    dist.all_gather_object(found, problems)
+    problems = [p for share in found for p in share]
+    if problems:
+        raise CheckpointReadError(
+            f"the checkpoint at {directory} is damaged: {'; '.join(problems)}. Nothing was loaded; the model and "
+            "optimizer are unchanged. Load an earlier checkpoint."
+        )
 
 
 # -- load -----------------------------------------------------------------------------------
@@ -208,7 +250,14 @@ def load_checkpoint(
     DCP reads into private copies; the model and optimizer change only once every
     read succeeded, so a bad checkpoint leaves them as they were."""
     path = _checkpoint_path(directory)
-    metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    _verify_checksums(path)
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    except Exception as exc:  # a corrupt .metadata: unpickling errors of any kind
+        raise CheckpointReadError(
+            f"could not read {path / '.metadata'} ({type(exc).__name__}: {exc}); nothing was loaded. "
+            "Load an earlier checkpoint."
+        ) from exc
     _validate_model_keys(model.state_dict(), metadata)
     created: list[torch.Tensor] = []
     try:
@@ -216,9 +265,7 @@ def load_checkpoint(
         absent: list[int] = []
         if optimizer is not None:
             if any(k.startswith("optimizer.state.") for k in metadata):
-                before = set(optimizer.state)
-                materialize_optimizer_state(optimizer)
-                created = [p for p in optimizer.state if p not in before]
+                created = materialize_optimizer_state(optimizer)
             state["optimizer"] = optimizer.state_dict()
             absent = _prune_absent_optimizer_state(state["optimizer"], metadata)
         state = tree_map(clone_for_load, state)

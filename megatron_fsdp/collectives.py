@@ -29,8 +29,16 @@ class CollectiveRecorder:
     counts: Counter = dataclasses.field(default_factory=Counter)
     bytes: Counter = dataclasses.field(default_factory=Counter)
     labels: list = dataclasses.field(default_factory=list)
+    control: Counter = dataclasses.field(default_factory=Counter)
+    """Small bookkeeping collectives (``control_all_reduce``: gradient-presence and
+    weight-edit flags) by label, in calls; their bytes are in ``control_bytes``."""
+    control_bytes: int = 0
 
     def record(self, kind: str, tensor: torch.Tensor, label: str) -> None:
+        if kind == "control":
+            self.control[label] += 1
+            self.control_bytes += tensor.numel() * tensor.element_size()
+            return
         self.counts[kind] += 1
         self.bytes[kind] += tensor.numel() * tensor.element_size()
         self.labels.append((kind, label))
@@ -39,6 +47,8 @@ class CollectiveRecorder:
         self.counts.clear()
         self.bytes.clear()
         self.labels.clear()
+        self.control.clear()
+        self.control_bytes = 0
 
 
 _recorders: list[CollectiveRecorder] = []
@@ -257,3 +267,19 @@ def broadcast(
     with record_function(f"megatron_fsdp::broadcast:{label}"):
         launch = lambda: dist.broadcast(tensor, group=group, group_src=src_group_rank, async_op=True)  # noqa: E731
         _issue("broadcast", label, group, launch, False, (tensor,), timeout)
+
+
+def control_all_reduce(
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup,
+    *,
+    op: dist.ReduceOp.RedOpType,
+    label: str,
+    timeout: Optional[datetime.timedelta] = None,
+) -> None:
+    """A blocking all-reduce of a few flags that decides what the data collectives do;
+    recorded apart from them (``CollectiveRecorder.control``)."""
+    _record("control", tensor, label)
+    with record_function(f"megatron_fsdp::control:{label}"):
+        launch = lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True)  # noqa: E731
+        _issue("all_reduce", label, group, launch, False, (tensor,), timeout)

@@ -11,6 +11,24 @@ Per group and per backward pass::
   copies them into a temporary bucket, reduce-scatters it, and *adds* the reduced
   shard into the sharded main-grad buffer.
 
+[Note: one collective order on every rank] Groups are reduced in one fixed order
+(``self.groups``: the reverse of the buffer's group order, which is roughly the
+order gradients arrive in). A group whose gradients are complete waits until
+every group before it was launched; the end of backward launches the rest, in the
+same order. Ranks whose graphs differ (layer drop, unused branches) therefore
+issue the same collectives in the same sequence; readiness only decides how early.
+
+[Note: gradient presence] Each rank records which parameters received a gradient
+since the last zeroing; at each gradient sync the flags are combined with MAX over
+the data-parallel ranks, and a parameter that no rank used keeps ``grad=None``
+(as DDP with ``find_unused_parameters=True``), so optimizers skip it.
+
+[Note: reducing twice without zeroing] ZeRO-0/1 reduce the persistent buffer in
+place. Before more gradients are accumulated on top of a reduced value, the buffer
+is *rebased*: scaled (and, for ZeRO-1, other ranks' regions cleared) so that the
+next reduction reproduces the reduced value exactly once and adds the new
+gradients' reduction: reduce(rebased + g2) = reduced + reduce(g2).
+
 The reduce-scatter never writes into its own source: ZeRO-1 reduces into a
 temporary shard and copies it into place (upstream once accumulated the result
 back into the source shard, doubling the local gradient). When ``grad_comm_dtype``
@@ -55,13 +73,21 @@ class GradReduceOptions:
 
 @dataclasses.dataclass(eq=False)
 class _GroupGradState:
+    used: torch.Tensor
+    """Per item: received a gradient on this rank since the last zeroing (0/1)."""
     ready: set = dataclasses.field(default_factory=set)
     """Item indices whose gradient arrived in the current backward pass."""
     bucket: Optional[torch.Tensor] = None
     """ZeRO-2/3: temporary unsharded gradients of the current backward pass."""
+    requested: bool = False
+    """The group may be reduced in this pass (complete, or the pass ended)."""
     launched: bool = False
     """A reduction for the current backward pass was issued."""
     reductions_since_zero: int = 0
+    holds_reduced: bool = False
+    """The main-grad buffer holds a reduced value (rebase before accumulating more)."""
+    outer_reduced: bool = False
+    """HSDP: the shard holds a value already reduced across the outer group."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -82,18 +108,28 @@ class GradReducePipeline:
         options: GradReduceOptions,
         allocator: StorageResizeAllocator,
     ) -> None:
-        self.groups = [g for g in groups if g.requires_grad]
+        self.groups: list[ParameterGroup] = []
         self._outer_reduced = False
         self.policy = policy
         self.options = options
         self.allocator = allocator
-        self._state = {g: _GroupGradState() for g in self.groups}
+        self._state: dict[ParameterGroup, _GroupGradState] = {}
+        self.global_used: dict[ParameterGroup, torch.Tensor] = {}
+        """Per group, after a sync: which items some rank used (see [Note: gradient presence])."""
+        for g in groups:
+            if g.requires_grad:
+                self.add_group(g)
         self._pending: list[_Pending] = []
         self._views: dict[nn.Parameter, torch.Tensor] = {}
         self.nonfinite = NonFiniteGradTracker()
         """check_for_nan: flags noted on the device per reduction, read once per step."""
         self.timeout = None
         """The owning model's collective timeout (collectives: [Note: collective timeouts])."""
+
+    def add_group(self, group: ParameterGroup) -> None:
+        """Start reducing ``group`` (at construction, or once a frozen group is unfrozen)."""
+        self._state[group] = _GroupGradState(used=torch.zeros(len(group.params), dtype=torch.int32))
+        self.groups = sorted(self._state, key=lambda g: -g.index)  # [Note: one collective order on every rank]
 
     # -- gradients arrive ----------------------------------------------------------
     def install_grad_views(self, views: dict[nn.Parameter, torch.Tensor]) -> None:
@@ -102,9 +138,13 @@ class GradReducePipeline:
         parameter per backward. Not for TE's fused-wgrad weights: autograd would add
         TE's dummy gradient into the view."""
         views = {p: v for p, v in views.items() if not hasattr(p, "grad_added_to_main_grad")}
-        self._views = views
+        self._views.update(views)
         for param, view in views.items():
-            param.grad = view
+            if param.requires_grad:
+                param.grad = view
+
+    def grad_view_of(self, param: nn.Parameter) -> Optional[torch.Tensor]:
+        return self._views.get(param)
 
     @torch.no_grad()
     def accumulate(self, group: ParameterGroup, index: int, param: nn.Parameter) -> bool:
@@ -121,6 +161,8 @@ class GradReducePipeline:
                 # autograd made a fresh tensor (no view installed, or someone reset .grad)
                 group.main_grads.item_in_bucket(index).add_(grad.reshape(-1))
             param.grad = view
+        if grad is not None:
+            state.used[index] = 1
         state.ready.add(index)
         return len(state.ready) == len(group.params)
 
@@ -154,10 +196,32 @@ class GradReducePipeline:
     def _comm_dtype(self, group: ParameterGroup) -> torch.dtype:
         return self.policy.comm_dtype_for(group.dtype)
 
-    def reduce(self, group: ParameterGroup) -> None:
-        """Issue the group's collective for the current backward pass (at most once)."""
-        if not self._state[group].launched:
+    def reduce(self, group: ParameterGroup, *, sync: bool) -> None:
+        """Allow the group's collective for the current backward pass (at most once);
+        it is issued as soon as every group before it in the fixed order was.
+        ``sync``: ZeRO-0/1 groups reduce in this pass (the same on every rank)."""
+        self._state[group].requested = True
+        self._drain(sync)
+
+    def _takes_part(self, group: ParameterGroup, sync: bool) -> bool:
+        return group.strategy.shards_grads or sync
+
+    def _drain(self, sync: bool) -> None:
+        for group in self.groups:
+            state = self._state[group]
+            if state.launched or not self._takes_part(group, sync):
+                continue
+            if not state.requested:
+                return  # a group earlier in the order is not ready: keep the order
             self._launch(group)
+
+    def reduce_remaining(self, *, sync: bool) -> None:
+        """End of backward: every group taking part that was not reduced yet, in order
+        (a group no gradient reached still joins: the other ranks reduce it)."""
+        for group in self.groups:
+            if self._takes_part(group, sync):
+                self._state[group].requested = True
+        self._drain(sync)
 
     def start_all(self) -> None:
         """Reduce whatever has not been reduced: ZeRO-0/1 groups not reduced since the
@@ -175,13 +239,7 @@ class GradReducePipeline:
         state.launched = True
         state.reductions_since_zero += 1
         self._outer_reduced = False  # new shard-level gradients need an outer reduction
-        if not group.strategy.shards_grads and state.reductions_since_zero > 1:
-            logger.warning(
-                "gradients of %s are being reduced a second time without zero_grad_buffer(); the "
-                "reduced values would be counted twice. Call model.zero_grad_buffer() (or "
-                "optimizer.zero_grad()) every step, and use model.no_sync() for microbatches.",
-                group.label,
-            )
+        self.rebase(group)  # [Note: reducing twice without zeroing]
         async_op = self.options.overlap if async_op is None else async_op
         strategy, main = group.strategy, group.main_grads
         comm_dtype = self._comm_dtype(group)
@@ -237,6 +295,46 @@ class GradReducePipeline:
         else:
             finalize()
 
+    @torch.no_grad()
+    def rebase(self, group: ParameterGroup) -> None:
+        """[Note: reducing twice without zeroing] Turn a reduced main-grad buffer into
+        a local contribution X whose reduction is the reduced value itself. A
+        reduction computes c * (sum over every data-parallel rank); a value held by
+        ``holders`` ranks therefore needs X = reduced / (c * holders)."""
+        state = self._state[group]
+        main = group.main_grads
+        avg = self._op() == dist.ReduceOp.AVG
+        dp = group.dp
+        if group.strategy.shards_grads:
+            if not state.outer_reduced:
+                return
+            self._wait_group(group)
+            state.outer_reduced = False
+            if group.hfsdp and group.strategy.shards_optimizer:
+                piece = main.data.numel() // dp.outer_size
+                own = main.data[dp.outer_rank * piece : (dp.outer_rank + 1) * piece].clone()
+                main.data.zero_()
+                main.data[dp.outer_rank * piece : (dp.outer_rank + 1) * piece].copy_(own * (dp.outer_size if avg else 1))
+            elif not avg:
+                main.data.div_(dp.outer_size)
+            return
+        if not state.holds_reduced:
+            return
+        self._wait_group(group)
+        state.holds_reduced = False
+        state.outer_reduced = False
+        c = 1.0 / dp.scaling_size if avg else self._scaling(group)
+        if group.strategy is ShardingStrategy.NO_SHARD:
+            main.data.mul_(1.0 / (c * dp.scaling_size))
+            return
+        own = main.shard.clone()
+        main.data.zero_()
+        main.shard.copy_(own.mul_(1.0 / (c * dp.outer_size)))
+
+    def _wait_group(self, group: ParameterGroup) -> None:
+        if any(p.group is group for p in self._pending):
+            self.wait_all()
+
     def _retire(self, *, keep: int) -> None:
         """Finalise finished reductions in order; block on the oldest while more than
         ``keep`` reductions holding temporary buckets are in flight (in-place ones,
@@ -260,11 +358,13 @@ class GradReducePipeline:
             if strategy.shards_grads:
                 if output is not main.data:
                     main.data.add_(output)  # accumulate across microbatches, promoting to the main dtype
-            elif strategy is ShardingStrategy.NO_SHARD:
-                if output is not main.data:
-                    main.data.copy_(output)
-            elif output is not main.shard:
-                main.shard.copy_(output)  # copy, never +=: the source already held this gradient
+            else:
+                self._state[group].holds_reduced = True
+                if strategy is ShardingStrategy.NO_SHARD:
+                    if output is not main.data:
+                        main.data.copy_(output)
+                elif output is not main.shard:
+                    main.shard.copy_(output)  # copy, never +=: the source already held this gradient
             for temp in temps:
                 self.allocator.release(temp)
 
@@ -292,6 +392,8 @@ class GradReducePipeline:
             outer = group.dp.outer_group
             if outer is None:
                 continue
+            self.rebase(group) if group.strategy.shards_grads else None
+            self._state[group].outer_reduced = True
             main = group.main_grads
             label = f"outer:{group.label}"
             if group.hfsdp and group.strategy.shards_optimizer:
@@ -320,19 +422,52 @@ class GradReducePipeline:
         """check_for_nan: once per step, after every reduction (see nan_check)."""
         self.nonfinite.raise_if_nonfinite(self.groups)
 
+    def begin_backward(self) -> None:
+        """Before gradients accumulate: rebase buffers that hold a reduced value."""
+        for group in self.groups:
+            self.rebase(group)
+
     def end_backward(self) -> None:
         """Forget which gradients arrived; the next backward pass starts afresh."""
         for state in self._state.values():
             state.ready.clear()
             state.launched = False
+            state.requested = False
 
-    def zero(self) -> None:
+    @torch.no_grad()
+    def sync_usage(self) -> None:
+        """[Note: gradient presence] Combine the per-item usage flags over every
+        data-parallel rank (MAX), one all-reduce per process group."""
+        by_dp: dict[tuple, list[ParameterGroup]] = {}
+        for group in self.groups:
+            by_dp.setdefault((id(group.dp.shard_group), id(group.dp.outer_group)), []).append(group)
+        for groups in by_dp.values():
+            flags = torch.cat([self._state[g].used for g in groups]).to(groups[0].main_grads.device)
+            dp = groups[0].dp
+            for pg in (dp.shard_group, dp.outer_group):
+                if pg is not None and dist.get_world_size(pg) > 1:
+                    collectives.control_all_reduce(flags, pg, op=dist.ReduceOp.MAX, label="grad_presence", timeout=self.timeout)
+            for g, piece in zip(groups, flags.cpu().split([len(g.params) for g in groups])):
+                self.global_used[g] = piece.bool()
+
+    @torch.no_grad()
+    def zero(self, group: Optional[ParameterGroup] = None, items: Optional[list[int]] = None) -> None:
+        """Zero the main gradients (of one group's ``items``, or of everything)."""
         self.wait_all()
         self._outer_reduced = False
-        for g in self.groups:
-            g.main_grads.data.zero_()
+        for g in self.groups if group is None else [group]:
             state = self._state[g]
-            state.reductions_since_zero = 0
-            if state.bucket is not None:
-                self.allocator.release(state.bucket)
-                state.bucket = None
+            if items is None or len(items) == len(g.params):
+                g.main_grads.data.zero_()
+                state.used.zero_()
+                state.reductions_since_zero = 0
+                state.holds_reduced = state.outer_reduced = False
+                self.global_used.pop(g, None)
+                if state.bucket is not None:
+                    self.allocator.release(state.bucket)
+                    state.bucket = None
+                continue
+            main = g.main_grads
+            for index in items:
+                (main.item_in_shard(index) if main.is_distributed else main.item_in_bucket(index)).zero_()
+                state.used[index] = 0

@@ -34,6 +34,7 @@ from .all_gather_pipeline import AllGatherPipeline
 from .enums import ShardingStrategy, TrainingState
 from .grad_reduce_pipeline import GradReducePipeline
 from .param_and_grad_buffer import ParamAndGradBuffer, ParameterGroup
+from .unit_schedule import UnitSchedule
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +72,9 @@ class HookRuntime:
         overlap_param_gather: bool,
         prefetch_depth: int,
         sync_enabled: Callable[[], bool],
+        on_backward_start: Callable[[], None],
         on_backward_end: Callable[[], None],
+        root_dp_group: Any = None,
     ) -> None:
         self.buffer = buffer
         self.units = units
@@ -80,10 +83,18 @@ class HookRuntime:
         self.overlap_param_gather = overlap_param_gather
         self.prefetch_depth = prefetch_depth if overlap_param_gather else 0
         self.sync_enabled = sync_enabled
+        self.on_backward_start = on_backward_start
         self.on_backward_end = on_backward_end
+        self.root_dp_group = root_dp_group
         self.root_groups = buffer.groups_of_unit(None)
-        self.forward_order: list[FSDPUnit] = []
-        self._order_final = False
+        self.schedule: UnitSchedule[FSDPUnit] = UnitSchedule(u for u in units if u.gathers)
+        self._forward_walk = self.schedule.forward_walk()
+        self._backward_walk = self.schedule.backward_walk()
+        self._unrequested: list[FSDPUnit] = []
+        """Units the backward walk passed whose gradients are not yet requested."""
+        # [Note: one unit sequence on every rank] With gathers in backward (ZeRO-3),
+        # reductions wait for the walk to move past their unit.
+        self.reduce_at_boundaries = any(g.strategy.shards_params and g.model_weights.is_distributed for g in buffer.groups)
         self._backward_queued = False
         self._handles: list[Any] = []
 
@@ -97,8 +108,11 @@ class HookRuntime:
                 last = module is unit.modules[-1]
                 self._handles.append(module.register_forward_hook(self._make_post_forward(unit, last)))
         for group in self.buffer.grad_groups:
-            for index, param in enumerate(group.params):
-                self._handles.append(param.register_post_accumulate_grad_hook(self._make_grad_hook(group, index)))
+            self.register_grad_hooks(group)
+
+    def register_grad_hooks(self, group: ParameterGroup) -> None:
+        for index, param in enumerate(group.params):
+            self._handles.append(param.register_post_accumulate_grad_hook(self._make_grad_hook(group, index)))
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -128,15 +142,18 @@ class HookRuntime:
         with record_function("megatron_fsdp::root_pre_forward"):
             # One round trip for the root's groups and the first unit: each blocking
             # gather would otherwise wait out the ranks' skew and latency in turn.
+            self._forward_walk = self.schedule.forward_walk()
             self.all_gather.unshard(self.root_groups, async_op=True)
-            if self.prefetch_depth and self.forward_order:
-                self.all_gather.unshard(self.forward_order[0].groups, async_op=True)
+            if self.prefetch_depth and self.schedule.order:
+                self.all_gather.unshard(self.schedule.order[0].groups, async_op=True)
             self.all_gather.wait(self.root_groups)
 
     def root_post_forward(self, output: Any) -> Any:
-        # The first training forward fixes the unit order used for prefetching.
-        if self.forward_order and torch.is_grad_enabled():
-            self._order_final = True
+        for unit in self._forward_walk.remaining():
+            self._visit_skipped_forward(unit)
+        # The first training forward fixes the unit order used by every rank.
+        if self.schedule.order and torch.is_grad_enabled() and not self.schedule.final:
+            self.schedule.agree(self.root_dp_group)
         tensors = _grad_tensors(output) if torch.is_grad_enabled() else []
         if tensors:
             register_multi_grad_hook(tensors, self._root_pre_backward, mode="any")
@@ -149,17 +166,40 @@ class HookRuntime:
         if not self._backward_queued:
             self._backward_queued = True
             Variable._execution_engine.queue_callback(self._post_backward_final)
+            # A second backward through a retained graph finds the root's weights
+            # released at the end of the first one.
+            self.all_gather.unshard_and_wait(self.root_groups)
+            self._backward_walk = self.schedule.backward_walk()
+            self._unrequested = []
+            self.on_backward_start()
 
     # -- units --------------------------------------------------------------------
     def pre_forward(self, unit: FSDPUnit) -> None:
         if unit.state is TrainingState.PRE_BACKWARD:
             return  # recompute inside backward: already gathered
+        for skipped in self._forward_walk.catch_up(unit):
+            self._visit_skipped_forward(skipped)
+        if torch.is_grad_enabled():
+            self.schedule.observe(unit)
         unit.state = TrainingState.FORWARD
-        if not self._order_final and unit not in self.forward_order and torch.is_grad_enabled():
-            self.forward_order.append(unit)
         with record_function(f"megatron_fsdp::unshard:{unit.name}"):
             self.all_gather.unshard_and_wait(unit.groups)
             self._prefetch(unit, step=1)
+
+    def _keep_gathered(self, unit: FSDPUnit) -> bool:
+        """The last unit of a training forward is the first of the backward: releasing
+        it only to gather it again at once costs a blocking all-gather and saves no
+        memory. It is released when its gradients are done (or at the end)."""
+        return torch.is_grad_enabled() and self.schedule.final and unit is self.schedule.order[-1]
+
+    def _visit_skipped_forward(self, unit: FSDPUnit) -> None:
+        """[Note: one unit sequence on every rank] A unit this rank's forward did not
+        run: take part in its gathers as a real visit would, then release it."""
+        with record_function(f"megatron_fsdp::unshard_skipped:{unit.name}"):
+            self.all_gather.unshard_and_wait(unit.groups)
+            self._prefetch(unit, step=1)
+            if not self._keep_gathered(unit):
+                self.all_gather.reshard(unit.groups)
 
     def post_forward(self, unit: FSDPUnit, output: Any, *, last: bool = True) -> Any:
         """``last``: the output of the unit's last module (a merged unit releases
@@ -167,10 +207,7 @@ class HookRuntime:
         if unit.state is TrainingState.PRE_BACKWARD:
             return output
         training = torch.is_grad_enabled()
-        # The last unit of the forward is the first of the backward: releasing it
-        # only to gather it again at once costs a blocking all-gather and saves no
-        # memory. It is released when its gradients are done (or at the end).
-        keep = not last or (training and self._order_final and self.forward_order and unit is self.forward_order[-1])
+        keep = not last or self._keep_gathered(unit)
         if last:
             unit.state = TrainingState.IDLE
         if not keep:
@@ -185,20 +222,37 @@ class HookRuntime:
         self._root_pre_backward(None)
         if unit.state is TrainingState.PRE_BACKWARD:
             return
+        for skipped in self._backward_walk.catch_up(unit):
+            self._visit_backward(skipped)
+            self.all_gather.reshard([g for g in skipped.groups if g.requires_grad])  # no gradient will come
+        self._visit_backward(unit)
+
+    def _visit_backward(self, unit: FSDPUnit) -> None:
+        self._request_passed_units()
+        self._unrequested.append(unit)
         unit.state = TrainingState.PRE_BACKWARD
         with record_function(f"megatron_fsdp::unshard_backward:{unit.name}"):
             self.all_gather.unshard_and_wait(unit.groups)
             self._prefetch(unit, step=-1)
 
+    def _request_passed_units(self) -> None:
+        """Units the backward walk has left: no gradient is still to come for them, so
+        their weights go (even with parameters that got none) and, with
+        ``reduce_at_boundaries``, their reductions may start (in order)."""
+        sync = self.sync_enabled()
+        for passed in self._unrequested:
+            trainable = [g for g in passed.groups if g.requires_grad]
+            if self.reduce_at_boundaries:
+                for group in trainable:
+                    self.grad_reduce.reduce(group, sync=sync)
+            self.all_gather.reshard(trainable)
+        self._unrequested = []
+
     def _prefetch(self, unit: FSDPUnit, *, step: int) -> None:
-        if not self.prefetch_depth or unit not in self.forward_order:
+        if not self.prefetch_depth:
             return
-        position = self.forward_order.index(unit)
-        for distance in range(1, self.prefetch_depth + 1):
-            target = position + step * distance
-            if not 0 <= target < len(self.forward_order):
-                break
-            self.all_gather.unshard(self.forward_order[target].groups, async_op=True)
+        for target in self.schedule.neighbours(unit, step, self.prefetch_depth):
+            self.all_gather.unshard(target.groups, async_op=True)
 
     # -- gradients --------------------------------------------------------------------
     def on_grad(self, group: ParameterGroup, index: int, param: torch.Tensor) -> None:
@@ -206,17 +260,18 @@ class HookRuntime:
             self._group_complete(group)
 
     def _group_complete(self, group: ParameterGroup) -> None:
-        if group.strategy.shards_grads or self.sync_enabled():
-            self.grad_reduce.reduce(group)
+        if not (self.reduce_at_boundaries and group.unit is not None):
+            self.grad_reduce.reduce(group, sync=self.sync_enabled())
         # Every use of these weights has produced its gradient: they are free to go.
         self.all_gather.reshard([group])
 
     def _post_backward_final(self) -> None:
         with record_function("megatron_fsdp::post_backward_final"):
-            for group in self.buffer.grad_groups:
-                if not self.grad_reduce.is_complete(group) and (group.strategy.shards_grads or self.sync_enabled()):
-                    # Unused parameters: every rank must still take part.
-                    self.grad_reduce.reduce(group)
+            for unit in self._backward_walk.remaining():
+                self._visit_backward(unit)
+            self._request_passed_units()
+            # Unused parameters: every rank must still take part, in the same order.
+            self.grad_reduce.reduce_remaining(sync=self.sync_enabled())
             self.all_gather.reshard(self.buffer.groups)
             for unit in self.units:
                 unit.state = TrainingState.IDLE

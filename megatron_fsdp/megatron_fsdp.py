@@ -19,7 +19,7 @@ from . import state_dict as state_dict_mod
 from .all_gather_pipeline import AllGatherPipeline
 from .config import DistributedDataParallelConfig
 from .distributed_index import FSDPDistributedIndex, build_default_mesh
-from .enums import ShardingStrategy
+from .enums import BucketStatus, ShardingStrategy
 from .grad_reduce_pipeline import GradReducePipeline, GradReduceOptions
 from .hooks import FSDPUnit, HookRuntime
 from .marks import is_fsdp_no_shard
@@ -32,21 +32,40 @@ logger = logging.getLogger(__name__)
 
 # Distributed parameter -> the MegatronFSDP that owns it (fully_shard_optimizer's lookup).
 _OWNERS = WeakIdKeyDictionary()
+# Wrapped module -> its MegatronFSDP (wrapping twice is an error).
+_WRAPPED = WeakIdKeyDictionary()
+# Compute parameter (the wrapped module's own) -> its MegatronFSDP (misuse checks).
+_COMPUTE_OWNERS = WeakIdKeyDictionary()
 
 
 def owner_of(param: torch.Tensor) -> Optional["MegatronFSDP"]:
     return _OWNERS.get(param)
 
 
-def resolve_unit_classes(entries: Optional[Sequence[Any]]) -> tuple[type, ...]:
-    """``fsdp_unit_modules`` entries are module classes or import paths of them."""
+def compute_owner_of(param: torch.Tensor) -> Optional["MegatronFSDP"]:
+    """The MegatronFSDP whose wrapped module holds ``param`` as a compute parameter."""
+    return _COMPUTE_OWNERS.get(param)
+
+
+def resolve_unit_classes(entries: Any) -> tuple[type, ...]:
+    """``fsdp_unit_modules`` entries are module classes or import paths of them; one
+    class or one path alone is accepted as a list of one."""
+    if entries is None:
+        return ()
+    if isinstance(entries, (str, type)):
+        entries = [entries]
     classes = []
-    for entry in entries or ():
+    for entry in entries:
         cls = entry
         if isinstance(entry, str):
             module_path, _, attr = entry.rpartition(".")
+            if not module_path:
+                raise ValueError(
+                    f"fsdp_unit_modules entry {entry!r} is a bare class name, which cannot be imported; pass the "
+                    f"class itself (fsdp_unit_modules=[{entry}]) or its full import path ('package.module.{entry}')"
+                )
             try:
-                cls = getattr(importlib.import_module(module_path), attr) if module_path else None
+                cls = getattr(importlib.import_module(module_path), attr)
             except (ImportError, AttributeError):
                 cls = None
         if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
@@ -56,6 +75,15 @@ def resolve_unit_classes(entries: Optional[Sequence[Any]]) -> tuple[type, ...]:
             )
         classes.append(cls)
     return tuple(classes)
+
+
+def check_policy(policy: Any) -> None:
+    if not isinstance(policy, MixedPrecisionPolicy):
+        raise TypeError(
+            f"mixed_precision_policy={policy!r} is not a MixedPrecisionPolicy; pass one, e.g. "
+            "MixedPrecisionPolicy(main_params_dtype=torch.float32, main_grads_dtype=torch.float32, "
+            "grad_comm_dtype=torch.bfloat16); the compute dtype is the model's own (model.to(torch.bfloat16))"
+        )
 
 
 class MegatronFSDP(nn.Module):
@@ -80,10 +108,17 @@ class MegatronFSDP(nn.Module):
         sync_model_each_microbatch: bool = True,
         enable_fine_grained_param_gather_hook: bool = False,
         report_nan_in_param_grad: bool = False,
+        broadcast_buffers: bool = True,
     ) -> None:
+        """``broadcast_buffers``: as DDP's option of that name, the module's buffers
+        (BatchNorm running statistics) are broadcast from the first data-parallel
+        rank at the start of each forward that follows a training forward, so every
+        rank holds rank 0's buffers."""
         super().__init__()
         self.ddp_config = ddp_config or DistributedDataParallelConfig()
         self.strategy: ShardingStrategy = self.ddp_config.sharding_strategy
+        if mixed_precision_policy is not None:
+            check_policy(mixed_precision_policy)
         self.mp_policy = mixed_precision_policy or self.ddp_config.mixed_precision_policy()
         self.device = device_mod.resolve_device(device)
         self.dist_index = dist_index or FSDPDistributedIndex(
@@ -98,6 +133,7 @@ class MegatronFSDP(nn.Module):
         streams.check_torch_for_device(self.device)
         self.module = module
         self._te_hooks = te_compat.prepare_fused_wgrad(module, self.mp_policy.grads_dtype_for)
+        _WRAPPED[module] = self
 
         units = self._find_units(module, resolve_unit_classes(fsdp_unit_modules), enable_fine_grained_param_gather_hook)
         units, self.param_and_grad_buffer = self._build_buffer(module, units, disable_bucketing)
@@ -134,12 +170,22 @@ class MegatronFSDP(nn.Module):
             overlap_param_gather=self.ddp_config.overlap_param_gather,
             prefetch_depth=self.ddp_config.prefetch_depth,
             sync_enabled=self._sync_enabled,
+            on_backward_start=self._on_backward_start,
             on_backward_end=self._on_backward_end,
+            root_dp_group=self.dist_index.groups_for(False).shard_group,
         )
         self._runtime.register()
         for group in buffer.groups:
             for param in group.dist_params:
                 _OWNERS[param] = self
+            for param in group.params:
+                _COMPUTE_OWNERS[param] = self
+        self._requires_grad = {p: p.requires_grad for g in buffer.groups for p in g.params}
+        """Compute parameter -> requires_grad as last synchronised with its distributed twin."""
+        self._shard_snapshots: dict = {}
+        self._snapshot_weights()
+        self.broadcast_buffers = broadcast_buffers
+        self._buffers_need_sync = True
 
     # -- construction helpers -----------------------------------------------------
     def _check_supported(self) -> None:
@@ -210,6 +256,12 @@ class MegatronFSDP(nn.Module):
 
     # -- forward ------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._sync_requires_grad()
+        self._refresh_edited_weights()
+        if self.broadcast_buffers and self._buffers_need_sync:
+            self._broadcast_module_buffers()
+        # As DDP: a forward that will sync gradients makes the next forward sync buffers.
+        self._buffers_need_sync = torch.is_grad_enabled() and self._sync_enabled()
         self._runtime.root_pre_forward()
         output = self.module(*args, **kwargs)
         return self._runtime.root_post_forward(output)
@@ -244,6 +296,16 @@ class MegatronFSDP(nn.Module):
     def model_auto_sync(self) -> bool:
         return self._auto_sync
 
+    def _on_backward_start(self) -> None:
+        """Before gradients accumulate: zero what the user cleared (``optimizer.zero_grad()``,
+        ``model.zero_grad()``, ``p.grad = None``), rebase what holds a reduced value."""
+        buffer = self.param_and_grad_buffer
+        for group in buffer.grad_groups:
+            cleared = buffer.cleared_grads(group)
+            if cleared:
+                self.grad_reduce_pipeline.zero(group, cleared)
+        self.grad_reduce_pipeline.begin_backward()
+
     def _on_backward_end(self) -> None:
         self.backward_since_step = True
         if self._sync_enabled():
@@ -258,12 +320,21 @@ class MegatronFSDP(nn.Module):
         self.grad_reduce_pipeline.wait_all()
         self.grad_reduce_pipeline.reduce_outer()
         self.grad_reduce_pipeline.raise_if_nonfinite()
-        self.param_and_grad_buffer.attach_grads()
+        self.grad_reduce_pipeline.sync_usage()
+        self.param_and_grad_buffer.attach_grads(self.grad_reduce_pipeline.global_used)
         if self.report_nan_in_param_grads:
             self.report_nan_in_param_grad()
 
     def zero_grad_buffer(self) -> None:
         self.grad_reduce_pipeline.zero()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As ``optimizer.zero_grad()``: the distributed parameters' gradients and the
+        gradient buffers behind them."""
+        super().zero_grad(set_to_none=set_to_none)
+        self.zero_grad_buffer()
+        if set_to_none:
+            self.param_and_grad_buffer.detach_grads()
 
     @torch.no_grad()
     def scale_gradients(self, scaling_factor: float) -> None:
@@ -272,7 +343,7 @@ class MegatronFSDP(nn.Module):
             group.main_grads.data.mul_(scaling_factor)
         # Views follow the buffer; dtype-cast copies (main grads narrower than the
         # main weights) were taken before the scaling and must be taken again.
-        self.param_and_grad_buffer.attach_grads()
+        self.param_and_grad_buffer.attach_grads(self.grad_reduce_pipeline.global_used)
 
     def report_nan_in_param_grad(self) -> list[str]:
         """Names of parameters whose reduced gradient holds NaN/Inf on this rank (logged)."""
@@ -325,6 +396,126 @@ class MegatronFSDP(nn.Module):
         if stale:
             self.all_gather_pipeline.mark_stale(stale)
             self.start_param_sync()
+        self._snapshot_weights()
+
+    @torch.no_grad()
+    def _broadcast_module_buffers(self) -> None:
+        """One broadcast per dtype over the data-parallel groups, from their rank 0."""
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for buf in self.module.buffers():
+            by_dtype.setdefault(buf.dtype, []).append(buf)
+        if not by_dtype:
+            return
+        dp = self.dist_index.groups_for(False)
+        for buffers in by_dtype.values():
+            flat = torch.cat([b.reshape(-1) for b in buffers])
+            for pg in (dp.shard_group, dp.outer_group):
+                if pg is not None and dist.get_world_size(pg) > 1:
+                    collectives.broadcast(flat, 0, pg, label="module_buffers", timeout=self.grad_reduce_pipeline.timeout)
+            for b, piece in zip(buffers, flat.split([b.numel() for b in buffers])):
+                b.copy_(piece.view_as(b))
+
+    # -- user changes between steps ---------------------------------------------------
+    def _edit_kind(self, group) -> Optional[str]:
+        """How in-place edits of the group's distributed parameters are seen:
+        ``"main"`` the compute weights are a cast copy of separate main weights;
+        ``"shard"`` the user's shard of replicated weights (ZeRO-1/2) must reach the
+        other ranks; ``None`` the compute weights are what the user edits."""
+        if group.hfsdp and group.strategy.shards_optimizer:
+            return None  # the optimizer piece is gathered from the outer group after each step
+        if group.main_weights is not None:
+            return "main"
+        if group.strategy in (ShardingStrategy.OPTIM, ShardingStrategy.OPTIM_GRADS) and group.layout.world_size > 1:
+            return "shard"
+        return None
+
+    @torch.no_grad()
+    def _snapshot_weights(self) -> None:
+        """After the weights were installed: what the next forward compares against."""
+        self._check_edits = True
+        for group in self.param_and_grad_buffer.groups:
+            if self._edit_kind(group) == "shard":
+                snapshot = self._shard_snapshots.get(group)
+                if snapshot is None:
+                    self._shard_snapshots[group] = group.model_weights.shard.clone()
+                else:
+                    snapshot.copy_(group.model_weights.shard)
+
+    def _edited(self, group) -> bool:
+        kind = self._edit_kind(group)
+        model, main = group.model_weights, group.main_weights
+        if kind == "main":
+            mine, source = (model.shard, main.shard) if group.strategy.shards_optimizer else (model.data, main.data)
+            return not torch.equal(mine, source.to(mine.dtype))
+        if kind == "shard":
+            return not torch.equal(model.shard, self._shard_snapshots[group])
+        return False
+
+    @torch.no_grad()
+    def _refresh_edited_weights(self) -> None:
+        """In-place edits of ``model.parameters()`` after a step (weight clipping, an EMA
+        copied back, a re-initialisation) reach the compute weights. Checked at the
+        first forward after each step (a compare with what was installed); ZeRO-1/2
+        agree over the group on which groups changed (a clamp may change nothing on
+        one rank's shard) before re-gathering them."""
+        if not self._check_edits:
+            return
+        self._check_edits = False
+        groups = [g for g in self.param_and_grad_buffer.groups if self._edit_kind(g) is not None]
+        if not groups:
+            return
+        flags = torch.tensor([float(self._edited(g)) for g in groups])
+        if any(g.strategy in (ShardingStrategy.OPTIM, ShardingStrategy.OPTIM_GRADS) and g.layout.world_size > 1
+               for g in groups):
+            collectives.control_all_reduce(flags, self.dist_index.groups_for(False).shard_group,
+                                           op=dist.ReduceOp.MAX, label="weight_edits",
+                                           timeout=self.grad_reduce_pipeline.timeout)
+        edited = [g for g, flag in zip(groups, flags.tolist()) if flag]
+        if not edited:
+            return
+        self.all_gather_pipeline.wait(edited)
+        for group in edited:
+            if group.main_weights is not None and group.strategy.shards_optimizer:
+                group.model_weights.shard.copy_(group.main_weights.shard)
+            elif group.main_weights is not None:
+                group.model_weights.data.copy_(group.main_weights.data)
+        stale = [g for g in edited if g.strategy in (ShardingStrategy.OPTIM, ShardingStrategy.OPTIM_GRADS)]
+        self.all_gather_pipeline.mark_stale(stale)
+        self.all_gather_pipeline.unshard([g for g in stale if g.model_weights.status is BucketStatus.EMPTY], async_op=False)
+        self._snapshot_weights()
+        self._check_edits = False
+
+    def _sync_requires_grad(self) -> None:
+        """``requires_grad`` set on either twin (the module's compute parameter or the
+        distributed parameter in ``model.parameters()``) since the last forward
+        applies to both; a group frozen at wrapping gets gradient buffers once a
+        parameter of it is unfrozen."""
+        buffer = self.param_and_grad_buffer
+        for group in buffer.groups:
+            for index, (compute, dist_param) in enumerate(zip(group.params, group.dist_params)):
+                last = self._requires_grad[compute]
+                if dist_param.requires_grad != last:
+                    value = dist_param.requires_grad
+                elif compute.requires_grad != last:
+                    value = compute.requires_grad
+                else:
+                    continue
+                self._requires_grad[compute] = value
+                compute.requires_grad_(value)
+                dist_param.requires_grad_(value)
+                if value and group.main_grads is None:
+                    self._enable_grads(group)
+                view = self.grad_reduce_pipeline.grad_view_of(compute)
+                compute.grad = view if value else None
+
+    def _enable_grads(self, group) -> None:
+        buffer = self.param_and_grad_buffer
+        buffer.enable_grads(group)
+        self.grad_reduce_pipeline.add_group(group)
+        self.grad_reduce_pipeline.install_grad_views(
+            {p: v for i, p in enumerate(group.params) if (v := buffer.grad_view(group, i)) is not None}
+        )
+        self._runtime.register_grad_hooks(group)
 
     def start_param_sync(self, *unused: Any, force_sync: bool = False) -> None:
         """Refresh replicated model weights after a ZeRO-1/2 step (async with overlap)."""
@@ -333,7 +524,10 @@ class MegatronFSDP(nn.Module):
         self.all_gather_pipeline.unshard([g for g in groups if not g.model_weights.is_distributed], async_op=async_op)
 
     def finish_param_sync(self) -> None:
+        """Wait for the weight refresh of the last step; also brings in-place edits of
+        ``model.parameters()`` made since into the compute weights (collective)."""
         self.all_gather_pipeline.wait_all()
+        self._refresh_edited_weights()
 
     @torch.no_grad()
     def broadcast_params(self) -> None:
@@ -372,6 +566,26 @@ class MegatronFSDP(nn.Module):
             raise ValueError("load_state_dict(assign=True) would replace the sharded buffers; use assign=False")
         return state_dict_mod.load_sharded_state_dict(self, state_dict, strict=strict)
 
+    @torch.no_grad()
+    def unshard_module(self) -> nn.Module:
+        """Undo the wrapping: the module gets back plain parameters holding their full
+        values, without hooks (``fully_shard`` calls this when building the optimizer
+        fails, so that it is all or nothing). Collective."""
+        self._runtime.remove()
+        self.all_gather_pipeline.wait_all()
+        self.grad_reduce_pipeline.wait_all()
+        for group in self.param_and_grad_buffer.groups:
+            self.all_gather_pipeline.unshard_and_wait([group])
+            for index, param in enumerate(group.params):
+                param.data = param.data.clone()
+                param.grad = None
+                _COMPUTE_OWNERS.pop(param, None)
+            for dist_param in group.dist_params:
+                _OWNERS.pop(dist_param, None)
+            self.all_gather_pipeline.reshard([group])
+        _WRAPPED.pop(self.module, None)
+        return self.module
+
     @property
     def buffer_accounting(self):
         return self.param_and_grad_buffer.accounting
@@ -388,6 +602,11 @@ def _is_wrapper(module: nn.Module) -> bool:
 
 
 def _check_module(module: nn.Module, device: torch.device, *, allow_meta: bool = False) -> None:
+    if not isinstance(module, nn.Module):
+        raise TypeError(
+            f"megatron_fsdp wraps a torch.nn.Module, got {type(module).__name__} ({module!r:.80}); "
+            "pass the model itself (e.g. fully_shard_model(model, ...))"
+        )
     for name, sub in module.named_modules():
         if _is_wrapper(sub):
             where = f"its submodule {name!r}" if name else "it"
@@ -395,6 +614,13 @@ def _check_module(module: nn.Module, device: torch.device, *, allow_meta: bool =
                 f"cannot wrap {type(module).__name__}: {where} is already a data-parallel wrapper "
                 f"({type(sub).__name__}); wrap the plain model once, with one of megatron_fsdp, FSDP or DDP"
             )
+    wrapped = [p for p in module.parameters() if p in _COMPUTE_OWNERS] or ([module] if module in _WRAPPED else [])
+    if wrapped:
+        raise ValueError(
+            f"{type(module).__name__} (or a submodule of it) is already wrapped by megatron_fsdp: its parameters "
+            "live in that wrapper's buffers, and a second wrapper would train a stale copy. Wrap the plain model "
+            "once and keep using the first wrapper (fully_shard_model returns it)"
+        )
     params = list(module.named_parameters())
     if not params:
         raise ValueError(f"{type(module).__name__} has no parameters; there is nothing for megatron_fsdp to shard")

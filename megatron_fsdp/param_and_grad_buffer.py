@@ -179,6 +179,8 @@ class ParamAndGradBuffer:
         self._slot = {p: (g, i) for g in self.groups for i, p in enumerate(g.params)}
         self._dist_slot = {p: (g, i) for g in self.groups for i, p in enumerate(g.dist_params)}
         self._grad_views: dict[nn.Parameter, torch.Tensor] = {}
+        self._attached: dict[nn.Parameter, torch.Tensor] = {}
+        """The ``.grad`` each distributed parameter was last given (to see it cleared)."""
 
     # -- construction ----------------------------------------------------------
     def _build_groups(self, module: nn.Module, unit_modules: Sequence[Sequence[nn.Module]]) -> list[ParameterGroup]:
@@ -355,12 +357,20 @@ class ParamAndGradBuffer:
         return [g for g in self.groups if g.unit == unit]
 
     # -- gradients for the optimizer -------------------------------------------
-    def attach_grads(self) -> None:
-        """Point every trainable distributed parameter's ``.grad`` at its reduced piece.
-        Views of the persistent main-grad buffer are built once; a dtype cast (main
-        grads narrower than main weights) is made afresh."""
+    def attach_grads(self, global_used: Optional[dict[ParameterGroup, torch.Tensor]] = None) -> None:
+        """Point trainable distributed parameters' ``.grad`` at their reduced pieces.
+
+        [Note: gradient presence] A parameter that no rank used since the last
+        zeroing keeps ``grad=None`` unless it already had one (as in DDP and plain
+        PyTorch, a zeroed-but-present gradient stays present). Views of the
+        persistent main-grad buffer are built once; a dtype cast (main grads
+        narrower than main weights) is made afresh."""
         for group in self.grad_groups:
+            used = (global_used or {}).get(group)
             for index, dist_param in enumerate(group.dist_params):
+                present = dist_param in self._attached and dist_param.grad is self._attached[dist_param]
+                if not present and used is not None and not bool(used[index]):
+                    continue
                 cached = self._grad_views.get(dist_param)
                 if cached is None:
                     local = self._optimizer_view(group, group.main_grads, index)
@@ -371,6 +381,39 @@ class ParamAndGradBuffer:
                         self._grad_views[dist_param] = wrapped
                     cached = wrapped
                 dist_param.grad = cached
+                self._attached[dist_param] = cached
+
+    def cleared_grads(self, group: ParameterGroup) -> list[int]:
+        """Items whose attached ``.grad`` someone replaced or set to ``None`` since
+        (``optimizer.zero_grad()``, ``model.zero_grad()``, ``p.grad = None``): their
+        main gradients are to be zeroed before more accumulate. Forgets them."""
+        cleared = []
+        for index, dist_param in enumerate(group.dist_params):
+            attached = self._attached.get(dist_param)
+            if attached is not None and dist_param.grad is not attached:
+                cleared.append(index)
+                del self._attached[dist_param]
+        return cleared
+
+    def detach_grads(self) -> None:
+        """Forget attached gradients (the buffers were zeroed explicitly)."""
+        self._attached.clear()
+
+    def enable_grads(self, group: ParameterGroup) -> None:
+        """Give a group frozen at wrapping its main-gradient buffer (a parameter of it
+        was unfrozen)."""
+        dp = group.dp
+        group.main_grads = DataParallelBuffer(
+            group.layout,
+            dtype=self.policy.grads_dtype_for(group.dtype),
+            device=self.device,
+            group=dp.shard_group,
+            rank=dp.shard_rank,
+            is_distributed=group.strategy.shards_grads and group.layout.world_size > 1,
+            allocator=self.allocator,
+            category="main_grads",
+        )
+        group.requires_grad = True
 
     def grad_view(self, group: ParameterGroup, index: int) -> Optional[torch.Tensor]:
         """For replicated main grads of the parameter's own dtype: the view autograd can

@@ -96,13 +96,16 @@ def fresh_optimizer_worker(rank, world, *, strategy):
     opt = mf.fully_shard_optimizer(torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5))
     after = mf.get_full_state_dict(model)
     unchanged = all(torch.equal(before[n], after[n]) for n in before)
-    return dict(unchanged=unchanged, state=len(opt.state))
+    steps = {float(st["step"]) for st in opt.state.values()}
+    return dict(unchanged=unchanged, state=len(opt.state), params=len(list(model.parameters())), steps=steps)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_fully_shard_optimizer_leaves_optimizer_fresh(pool2, strategy):
+    """No weight moves and no step is counted; the state exists eagerly (zero
+    moments, step 0) so that DCP can load into it (issue 14)."""
     out = pool2.run(fresh_optimizer_worker, strategy=strategy)
-    assert all(o["unchanged"] and o["state"] == 0 for o in out), out
+    assert all(o["unchanged"] and o["state"] == o["params"] and o["steps"] == {0.0} for o in out), out
 
 
 def manual_sync_worker(rank, world, *, strategy):

@@ -1,6 +1,8 @@
-"""Configuration fuzzing: random combinations of the public arguments either train
-2 steps matching a single-process reference or raise ValueError/NotImplementedError
-with a message; never an internal error or a hang.
+"""Configuration fuzzing: random combinations of the public arguments, each with a
+usage pattern of the training loop (freeze/unfreeze, a block skipped, rank-dependent
+layer drop, no_sync or plain accumulation, step(closure), an LR scheduler, in-place
+edits of the weights), either train 3 steps matching a single-process reference or
+raise ValueError/NotImplementedError with a message; never an internal error or a hang.
 
 CI draws a few dozen seeded configurations; ``MFSDP_FUZZ_DRAWS=500 pytest
 tests/test_fuzz.py`` runs a long campaign (``MFSDP_FUZZ_SEED`` picks another one).
@@ -19,11 +21,51 @@ import torch.nn as nn
 
 import megatron_fsdp as mf
 from megatron_fsdp.distributed_index import build_hybrid_mesh
-from models import Block, Net, backward_microbatches, loss_fn, make_batches, make_model
+from models import IN, OUT, Block, loss_fn, make_batches
 
 DRAWS = int(os.environ.get("MFSDP_FUZZ_DRAWS", "30"))
 SEED = int(os.environ.get("MFSDP_FUZZ_SEED", "0"))
 LR = 0.05
+STEPS = 3
+PATTERNS = ["plain", "freeze_unfreeze", "skip_block", "rank_skip", "plain_accumulation", "closure", "scheduler",
+            "inplace_edit"]
+
+
+class FuzzNet(nn.Module):
+    """The tests' Net, plus a head no forward uses and blocks a step may skip."""
+
+    def __init__(self, d: int = 7, depth: int = 3) -> None:
+        super().__init__()
+        self.inp = nn.Linear(IN, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(depth))
+        self.unused = nn.Linear(d, OUT)
+        self.out = nn.Linear(d, OUT)
+        self.skip: set = set()
+
+    def forward(self, x):
+        h = self.inp(x)
+        for i, block in enumerate(self.blocks):
+            if i not in self.skip:
+                h = block(h)
+        return self.out(h)
+
+
+def _skip(pattern: str, step: int, rank: int) -> set:
+    if pattern == "skip_block":
+        return {1} if step == 1 else set()
+    if pattern == "rank_skip":
+        return {(rank + step) % 4}  # block 3 does not exist: that rank skips nothing
+    return set()
+
+
+FROZEN = ("blocks.0.fc1.weight", "blocks.0.fc1.bias")
+
+
+def _freeze(params: dict, step: int) -> None:
+    """Step 1 frozen (through the optimizer's parameters), step 2 unfrozen."""
+    for name in FROZEN:
+        if step in (1, 2):
+            params[name].requires_grad_(step == 1)
 
 
 def draw_config(index: int) -> dict:
@@ -50,7 +92,10 @@ def draw_config(index: int) -> dict:
         double_buffer=rng.random() < 0.3,
         microbatches=pick([1, 2]),
         suggested=pick([None, None, None, 300, 600, 10**9]),
+        pattern=pick(PATTERNS),
     )
+    if cfg["pattern"] == "plain_accumulation":
+        cfg["microbatches"] = 2
     # Adam normalises each update, so bf16 rounding of a near-zero gradient (whose
     # sign can flip when microbatches sum in bf16) moves a weight by up to 2 * lr:
     # no reference could match that. AdamW is drawn with fp32 gradients; SGD covers
@@ -58,6 +103,14 @@ def draw_config(index: int) -> dict:
     fp32_grads = compute == "fp32" and {cfg["main_grads"], cfg["grad_comm"]} <= {"auto", "fp32"}
     cfg["optimizer"] = pick(["sgd", "adamw"]) if fp32_grads else "sgd"
     return cfg
+
+
+def _record(cfg, results) -> None:
+    """MFSDP_FUZZ_LOG=path: one line per draw (pattern, strategy, outcome) for the counts."""
+    path = os.environ.get("MFSDP_FUZZ_LOG")
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{cfg['pattern']}\t{cfg['strategy']}\t{results[0][0]}\t{max(v for k, v in results) if results[0][0] == 'trained' else ''}\n")
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "auto": None}
@@ -79,23 +132,58 @@ def _optimizer(name):
 
 def _reference(base, batches, cfg, world):
     """Single process on the global batch: ``master`` dtype weights updated by the
-    optimizer, a ``compute`` dtype copy doing forward/backward."""
+    optimizer, a ``compute`` dtype copy doing forward/backward, the same pattern."""
     compute_dtype = DTYPES[cfg["compute"]]
     master_dtype = DTYPES.get(cfg["main_params"]) or compute_dtype
     compute = copy.deepcopy(base).to(compute_dtype)
     master = copy.deepcopy(base).to(compute_dtype).to(master_dtype)
     opt = _optimizer(cfg["optimizer"])(master.parameters())
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5) if cfg["pattern"] == "scheduler" else None
     scale = world if cfg["per_token"] else 1.0  # per-token: gradients sum over ranks
-    for x, y in batches:
+    pattern = cfg["pattern"]
+    for step, (x, y) in enumerate(batches):
+        if pattern == "freeze_unfreeze":
+            _freeze(dict(compute.named_parameters()), step)
         with torch.no_grad():
             for c, m in zip(compute.parameters(), master.parameters()):
                 c.copy_(m)
-        compute.zero_grad()
-        (scale * loss_fn("net", compute(x.to(compute_dtype)), y.to(compute_dtype))).backward()
-        for c, m in zip(compute.parameters(), master.parameters()):
-            m.grad = c.grad.to(master_dtype)
+
+        def grads():
+            compute.zero_grad()
+            loss = 0.0
+            for r, (xr, yr) in enumerate(zip(x.chunk(world), y.chunk(world))):
+                compute.skip = _skip(pattern, step, r)
+                loss = loss + loss_fn("net", compute(xr.to(compute_dtype)), yr.to(compute_dtype))
+            (scale * loss / world).backward()
+            for c, m in zip(compute.parameters(), master.parameters()):
+                m.grad = None if c.grad is None else c.grad.to(master_dtype)
+
+        opt.zero_grad()
+        grads()
         opt.step()
+        if sched is not None:
+            sched.step()
+        if pattern == "inplace_edit":
+            _edit(master)
     return {n: p.detach().float() for n, p in master.named_parameters()}
+
+
+@torch.no_grad()
+def _edit(model):
+    for p in model.parameters():
+        p.clamp_(-0.3, 0.3)
+        p.mul_(0.95)
+
+
+def _backward(model, x, y, rank, world, cfg, step, dtype):
+    """This rank's share in ``microbatches`` pieces; all but the last under no_sync,
+    except for plain accumulation (every piece a synced backward)."""
+    model.module.skip = _skip(cfg["pattern"], step, rank)
+    xs, ys = x.chunk(world)[rank].chunk(cfg["microbatches"]), y.chunk(world)[rank].chunk(cfg["microbatches"])
+    for i, (xm, ym) in enumerate(zip(xs, ys)):
+        quiet = i < len(xs) - 1 and cfg["pattern"] != "plain_accumulation"
+        with model.no_sync() if quiet else torch.enable_grad():
+            (loss_fn("net", model(xm.to(dtype)), ym.to(dtype)) / len(xs)).backward()
 
 
 def _tolerance(cfg) -> float:
@@ -109,13 +197,13 @@ def _tolerance(cfg) -> float:
 
 def fuzz_worker(rank, world, *, cfg):
     torch.manual_seed(0)
-    base = make_model("net")
-    batches = make_batches("net", 2, batch=2 * world * cfg["microbatches"])
+    base = FuzzNet()
+    batches = make_batches("net", STEPS, batch=2 * world * cfg["microbatches"])
     try:
         if cfg["meta_init"]:
             torch.manual_seed(0)
             with torch.device("meta"):
-                module = Net()
+                module = FuzzNet()
         else:
             module = copy.deepcopy(base)
         module = module.to(DTYPES[cfg["compute"]])
@@ -154,10 +242,26 @@ def fuzz_worker(rank, world, *, cfg):
     if cfg["meta_init"]:  # the reference starts from the same (converted) weights
         base = base.to(DTYPES[cfg["compute"]])
     dtype = DTYPES[cfg["compute"]]
-    for x, y in batches:
-        opt.zero_grad()
-        backward_microbatches(model, x, y, rank, world, cfg["microbatches"], dtype=dtype)
-        opt.step()
+    pattern = cfg["pattern"]
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5) if pattern == "scheduler" else None
+    for step, (x, y) in enumerate(batches):
+        if pattern == "freeze_unfreeze":  # frozen through the wrapper, unfrozen through the module
+            _freeze(dict(model.named_parameters()) if step == 1 else dict(model.module.named_parameters()), step)
+        if pattern == "closure":
+            def closure():
+                opt.zero_grad()
+                _backward(model, x, y, rank, world, cfg, step, dtype)
+                return torch.zeros(())
+
+            opt.step(closure)
+        else:
+            opt.zero_grad()
+            _backward(model, x, y, rank, world, cfg, step, dtype)
+            opt.step()
+        if sched is not None:
+            sched.step()
+        if pattern == "inplace_edit":
+            _edit(model)
     model.finish_param_sync()
     got = mf.get_full_state_dict(model)
     expected = _reference(base, batches, cfg, world)
@@ -169,6 +273,7 @@ def fuzz_worker(rank, world, *, cfg):
 def test_fuzz_configuration(pool4, index):
     cfg = draw_config(index)
     results = pool4.run(fuzz_worker, cfg=cfg)
+    _record(cfg, results)
     kinds = {kind for kind, _ in results}
     assert len(kinds) == 1, f"ranks disagree: {results} for {cfg}"
     kind, value = results[0]

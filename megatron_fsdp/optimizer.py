@@ -1,0 +1,298 @@
+"""How an optimizer drives a ``MegatronFSDP`` model: step hooks, eager state, rebuild.
+
+``fully_shard_optimizer`` extends the user's optimizer only through PyTorch's own
+extension points (``register_step_pre_hook`` / ``register_step_post_hook``): its
+``step`` stays the class's method, so LR schedulers, ``step(closure)`` and pickling
+of its state dict behave as with any optimizer.
+
+Per ``optimizer.step(...)``::
+
+    pre-hook    call the closure (if any) -> finish the gradient sync (auto-sync off)
+                -> swap DTensor parameters for their local pieces
+    step        the optimizer's own math, on local tensors
+    post-hook   swap back -> install the updated main weights into the model weights
+
+Gradient zeroing needs no hook: ``optimizer.zero_grad()`` (or ``model.zero_grad()``,
+or ``p.grad = None``) clears the distributed parameters' ``.grad``, and the model
+zeroes the matching gradient buffers when the next backward pass begins.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any, Optional
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from .megatron_fsdp import MegatronFSDP, compute_owner_of, owner_of
+
+logger = logging.getLogger(__name__)
+
+_STEP_KWARGS = ("sync_grad_before_optimizer_step", "install_optimized_model_weights")
+
+
+class OptimizerBinding:
+    """The models one optimizer updates, and the step hooks that keep them in sync.
+    Stored on the optimizer as ``optimizer.megatron_fsdp_binding``."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, models: list[MegatronFSDP]) -> None:
+        self.models = models
+        self._install = True
+        self._swapped: Optional[_LocalSwap] = None
+        self._handles = [
+            optimizer.register_step_pre_hook(self.pre_step),
+            optimizer.register_step_post_hook(self.post_step),
+        ]
+
+    def pre_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        kwargs = dict(kwargs)
+        sync = kwargs.pop("sync_grad_before_optimizer_step", True)
+        self._install = kwargs.pop("install_optimized_model_weights", True)
+        closure = kwargs.pop("closure", None)
+        if len(args) > 1:  # args[0] is the optimizer itself
+            closure, args = args[1], args[:1] + args[2:]
+        if closure is not None:
+            if isinstance(optimizer, torch.optim.LBFGS):
+                raise NotImplementedError(
+                    "LBFGS calls its closure several times inside one step, and each call would need a gradient "
+                    "sync that megatron_fsdp cannot run from inside step(); use a first-order optimizer"
+                )
+            # As torch optimizers do: the closure recomputes the loss and its gradients.
+            with torch.enable_grad():
+                loss = closure()
+            kwargs["closure"] = _Returns(loss)
+        if sync:
+            for model in self.models:
+                if not model.model_auto_sync:
+                    model.finish_grad_sync()
+        if self._swapped is not None:  # a previous step raised before its post-hook
+            self._swapped.restore()
+        self._swapped = _LocalSwap(optimizer)
+        return args, kwargs
+
+    def post_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        if self._swapped is not None:
+            self._swapped.restore()
+            self._swapped = None
+        if self._install:
+            for model in self.models:
+                model.install_optimized_model_weights()
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+class _Returns:
+    """A closure handed to the optimizer's own ``step`` after the real one ran: it
+    returns the loss already computed (a class, not a lambda: picklable)."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __call__(self) -> Any:
+        return self.value
+
+
+def bind_optimizer(optimizer: torch.optim.Optimizer, *, create_state: bool = True) -> OptimizerBinding:
+    """Find the models owning ``optimizer``'s parameters and hook the optimizer to them."""
+    existing = getattr(optimizer, "megatron_fsdp_binding", None)
+    if existing is not None:
+        return existing
+    models: list[MegatronFSDP] = []
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            owner = owner_of(param)
+            if owner is None:
+                raise ValueError(_foreign_param_message(param))
+            if owner not in models:
+                models.append(owner)
+    if not models:
+        raise ValueError("fully_shard_optimizer: the optimizer has no parameters")
+    binding = OptimizerBinding(optimizer, models)
+    optimizer.megatron_fsdp_binding = binding
+    optimizer.megatron_fsdp_models = models
+    if create_state:
+        init_optimizer_state(optimizer)
+    return binding
+
+
+def _foreign_param_message(param: torch.Tensor) -> str:
+    if compute_owner_of(param) is not None:
+        return (
+            "the optimizer holds a parameter of the wrapped module itself (model.module.parameters()): those "
+            "are compute weights that megatron_fsdp overwrites after every step. Build the optimizer from the "
+            "wrapper's parameters instead: opt = Opt(model.parameters()) (likewise clip_grad_norm_(model.parameters(), ...))"
+        )
+    return (
+        "fully_shard_optimizer: a parameter of the optimizer does not belong to a MegatronFSDP model; "
+        "build the optimizer from the wrapped model's parameters: opt = Opt(model.parameters())"
+    )
+
+
+def check_no_compute_params(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    """Global step pre-hook: an optimizer stepping the wrapped module's compute
+    parameters would train silently wrong (they are overwritten after each step,
+    and under ZeRO-1/2/3 their gradients are not the reduced ones)."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if compute_owner_of(param) is not None:
+                raise ValueError(_foreign_param_message(param))
+
+
+# Registered once per process: runs before every optimizer's step.
+register_optimizer_step_pre_hook(check_no_compute_params)
+
+
+# -- eager state ---------------------------------------------------------------------
+@torch.no_grad()
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Create the optimizer's per-parameter state now, exactly as its first step
+    would (Adam: zero moments, step 0), without taking a step: no parameter and no
+    existing state entry changes. Returns the parameters that got new state.
+
+    Uses the optimizer's own ``_init_group`` (the lazy initialiser torch optimizers
+    share); optimizers without one, or whose state is created by the step itself
+    (SGD's momentum buffer), keep their lazy state."""
+    init_group = getattr(optimizer, "_init_group", None)
+    if init_group is None:
+        return []
+    try:
+        extra = len(inspect.signature(init_group).parameters) - 1  # after ``group``: output lists
+    except (TypeError, ValueError):
+        return []
+    before = set(optimizer.state)
+    borrowed = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is None:
+                p.grad = p.detach()  # only its presence is read: no allocation
+                borrowed.append(p)
+    try:
+        for group in optimizer.param_groups:
+            init_group(group, *([] for _ in range(extra)))
+    except Exception as exc:  # an optimizer with another _init_group contract
+        for p in list(optimizer.state):
+            if p not in before:
+                del optimizer.state[p]
+        logger.info("megatron_fsdp: %s keeps lazily created state (%s)", type(optimizer).__name__, exc)
+        return []
+    finally:
+        for p in borrowed:
+            p.grad = None
+    created = [p for p in optimizer.state if p not in before]
+    for p in created:
+        if not optimizer.state[p]:
+            del optimizer.state[p]  # e.g. SGD touches state without filling it
+    return [p for p in created if p in optimizer.state]
+
+
+# -- running the step on local tensors -----------------------------------------------------
+class _LocalSwap:
+    """Run the optimizer's own step on the plain local pieces of DTensor parameters.
+
+    An elementwise optimizer computes the same numbers on the local pieces, while a
+    foreach op over DTensors dispatches every tensor through Python (tens of
+    microseconds per tensor per op). Outside ``step()`` nothing changes: the param
+    groups and the state hold DTensors, so norms, ``state_dict()`` and
+    ``optimizer.state[param]`` keep their global meaning."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self.swapped: list[tuple[dict, list]] = []
+        self.twins: dict[torch.Tensor, torch.Tensor] = {}
+        for group in optimizer.param_groups:
+            params = group["params"]
+            if not any(isinstance(p, DTensor) for p in params):
+                continue
+            local_params = []
+            for p in params:
+                local = p
+                if isinstance(p, DTensor):
+                    if p not in self.twins:
+                        self.twins[p] = _local_twin(optimizer, p)
+                    local = self.twins[p]
+                local_params.append(local)
+            self.swapped.append((group, params))
+            group["params"] = local_params
+
+    def restore(self) -> None:
+        for group, params in self.swapped:
+            group["params"] = params
+        for p, local in self.twins.items():
+            _restore_state(self.optimizer, p, local)
+            local.grad = None
+        self.swapped, self.twins = [], {}
+
+
+def _local_twin(optimizer: torch.optim.Optimizer, param: DTensor) -> torch.Tensor:
+    local = param._local_tensor.detach()  # shares storage with the parameter's shard
+    if param.grad is not None:
+        local.grad = param.grad._local_tensor if isinstance(param.grad, DTensor) else param.grad
+    state = optimizer.state.pop(param, None)
+    if state is not None:
+        optimizer.state[local] = {k: v._local_tensor if isinstance(v, DTensor) else v for k, v in state.items()}
+        optimizer.state[local]["__dtensor_state__"] = state  # the DTensors to hand back
+    return local
+
+
+def _restore_state(optimizer: torch.optim.Optimizer, param: DTensor, local: torch.Tensor) -> None:
+    state = optimizer.state.pop(local, None)
+    if state is None:
+        return
+    previous = state.pop("__dtensor_state__", {})
+    restored = {}
+    for key, value in state.items():
+        old = previous.get(key)
+        if isinstance(old, DTensor) and old._local_tensor is value:
+            restored[key] = old  # updated in place: the same DTensor
+        elif isinstance(value, torch.Tensor) and value.shape == local.shape and value.dim() > 0:
+            restored[key] = DTensor.from_local(
+                value, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+            )
+        else:
+            restored[key] = value  # scalars such as Adam's step
+    optimizer.state[param] = restored
+
+
+# -- fully_shard(module, optimizer): the same optimizer over the sharded parameters -------
+def rebuild_optimizer(old: torch.optim.Optimizer, module: torch.nn.Module, model: MegatronFSDP) -> torch.optim.Optimizer:
+    """A new optimizer of ``old``'s class, hyper-parameters and param-group layout over
+    ``model``'s distributed parameters. Only the keywords its ``__init__`` accepts
+    are passed (``defaults`` also holds derived entries some versions add)."""
+    # Compute parameters were re-pointed into buffers but are the same objects.
+    dist_of = {id(module.get_parameter(name)): dist_param for name, dist_param in model.named_parameters()}
+    accepted = _init_keywords(type(old))
+    groups = []
+    for group in old.param_groups:
+        missing = [p for p in group["params"] if id(p) not in dist_of]
+        if missing:
+            raise ValueError("fully_shard: the optimizer holds parameters that are not in the module being sharded")
+        derived = {k for k in old.defaults if accepted is not None and k not in accepted}
+        new_group = {k: v for k, v in group.items() if k != "params" and k not in derived}
+        new_group["params"] = [dist_of[id(p)] for p in group["params"]]
+        groups.append(new_group)
+    defaults = {k: v for k, v in old.defaults.items() if accepted is None or k in accepted}
+    return type(old)(groups, **defaults)
+
+
+def check_rebuildable(old: torch.optim.Optimizer) -> None:
+    if old.state:
+        raise ValueError(
+            "fully_shard: the optimizer already holds state; build it before training, or pass a factory "
+            "(lambda params: torch.optim.AdamW(params, ...))"
+        )
+
+
+def _init_keywords(cls: type) -> Optional[set[str]]:
+    """Keyword names ``cls.__init__`` accepts (None: it takes ``**kwargs``)."""
+    try:
+        parameters = inspect.signature(cls.__init__).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return None
+    return {p.name for p in parameters} - {"self", "params"}

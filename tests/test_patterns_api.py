@@ -1,0 +1,248 @@
+"""The optimizer and API side of issue 14: schedulers, pickling, rebuilding an
+optimizer, all-or-nothing wrapping, eager optimizer state, misuse errors, buffers."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import megatron_fsdp as mf
+from models import Block, Net, loss_fn, make_batches, make_model
+from test_patterns import STRATEGIES, TOL, Ctx, SkipNet, _optimizer, loop_plain
+
+torch_ddp = nn.parallel.DistributedDataParallel
+
+
+def _full_diff(model, reference) -> float:
+    model.finish_param_sync()
+    full = mf.get_full_state_dict(model)
+    return max((full[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters())
+
+
+# -- LR schedulers, step hooks, pickling -------------------------------------------------------
+def scheduler_worker(rank, world, *, strategy):
+    torch.manual_seed(0)
+    base = SkipNet()
+    batches = make_batches("net", 4, batch=4 * world)
+    reference = copy.deepcopy(base)
+    ref_opt = _optimizer("adamw", reference.parameters())
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=1, gamma=0.5)
+    model, opt = mf.fully_shard(base, lambda p: _optimizer("adamw", p), fsdp_unit_modules=[Block],
+                                zero_dp_strategy=strategy)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)  # created after fully_shard_optimizer
+    for step, (x, y) in enumerate(batches):
+        loop_plain(reference, ref_opt, step, x, y, Ctx(rank, world, True))
+        ref_sched.step()
+        loop_plain(model, opt, step, x, y, Ctx(rank, world, False))
+        sched.step()
+    return _full_diff(model, reference), sched.get_last_lr(), ref_sched.get_last_lr()
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_lr_scheduler_created_after_fully_shard_optimizer(pool2, strategy):
+    for diff, lr, ref_lr in pool2.run(scheduler_worker, strategy=strategy):
+        assert diff < TOL and lr == ref_lr
+
+
+def pickle_worker(rank, world, *, strategy):
+    model, opt = mf.fully_shard(make_model("net"), lambda p: _optimizer("adamw", p), fsdp_unit_modules=[Block],
+                                zero_dp_strategy=strategy)
+    for step, (x, y) in enumerate(make_batches("net", 1, batch=4 * world)):
+        loop_plain(model, opt, step, x, y, Ctx(rank, world, False))
+    saved = io.BytesIO()
+    torch.save(opt.state_dict(), saved)
+    return len(saved.getvalue())
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_torch_save_optimizer_state_dict(pool2, strategy):
+    assert all(n > 0 for n in pool2.run(pickle_worker, strategy=strategy))
+
+
+# -- eager optimizer state ----------------------------------------------------------------------
+def eager_state_worker(rank, world, *, strategy):
+    model, opt = mf.fully_shard(make_model("net"), lambda p: _optimizer("adamw", p), fsdp_unit_modules=[Block],
+                                zero_dp_strategy=strategy)
+    before = mf.get_full_state_dict(model)
+    states = [opt.state[p] for p in model.parameters()]
+    complete = all(set(s) == {"step", "exp_avg", "exp_avg_sq"} for s in states)
+    zero = all(float(s["step"]) == 0 and not s["exp_avg"].to_local().any() if hasattr(s["exp_avg"], "to_local")
+               else float(s["step"]) == 0 and not s["exp_avg"].any() for s in states)
+    after = mf.get_full_state_dict(model)
+    return complete, zero, all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_eager_optimizer_state_without_a_step(pool2, strategy):
+    """Item 12: the state exists (zero moments, step 0) right after fully_shard_optimizer,
+    and no weight moved; training from it equals the reference (test_patterns: every
+    loop runs on an eagerly initialised AdamW)."""
+    assert all(all(r) for r in pool2.run(eager_state_worker, strategy=strategy))
+
+
+# -- fully_shard(module, optimizer) ------------------------------------------------------------
+def rebuild_worker(rank, world, *, strategy):
+    torch.manual_seed(0)
+    base = SkipNet()
+    reference = copy.deepcopy(base)
+    ref_opt = torch.optim.AdamW([{"params": list(reference.blocks.parameters()), "weight_decay": 0.0},
+                                 {"params": [p for n, p in reference.named_parameters() if not n.startswith("blocks")]}],
+                                lr=0.01, eps=1e-4, weight_decay=0.1)
+    opt0 = torch.optim.AdamW([{"params": list(base.blocks.parameters()), "weight_decay": 0.0},
+                              {"params": [p for n, p in base.named_parameters() if not n.startswith("blocks")]}],
+                             lr=0.01, eps=1e-4, weight_decay=0.1)
+    model, opt = mf.fully_shard(base, opt0, fsdp_unit_modules=[Block], zero_dp_strategy=strategy)
+    for step, (x, y) in enumerate(make_batches("net", 3, batch=4 * world)):
+        loop_plain(reference, ref_opt, step, x, y, Ctx(rank, world, True))
+        loop_plain(model, opt, step, x, y, Ctx(rank, world, False))
+    return _full_diff(model, reference), type(opt).__name__
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_fully_shard_rebuilds_an_optimizer(pool2, strategy):
+    for diff, name in pool2.run(rebuild_worker, strategy=strategy):
+        assert diff < TOL and name == "AdamW"
+
+
+def failing_factory_worker(rank, world, *, strategy):
+    torch.manual_seed(0)
+    module = make_model("net")
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+
+    def factory(params):
+        raise RuntimeError("factory failed")
+
+    try:
+        mf.fully_shard(module, factory, fsdp_unit_modules=[Block], zero_dp_strategy=strategy)
+    except RuntimeError as exc:
+        message = str(exc)
+    same = all(torch.equal(before[n], p) for n, p in module.named_parameters())
+    x = torch.randn(2, 5)
+    usable = torch.isfinite(module(x)).all().item()  # plain module again: no hooks left
+    model, opt = mf.fully_shard(module, lambda p: _optimizer("sgd", p), fsdp_unit_modules=[Block],
+                                zero_dp_strategy=strategy)  # and it can be wrapped again
+    return message, same, usable
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_failing_factory_leaves_the_module_untouched(pool2, strategy):
+    for message, same, usable in pool2.run(failing_factory_worker, strategy=strategy):
+        assert message == "factory failed" and same and usable
+
+
+# -- misuse: clear errors before any number changes -----------------------------------------------
+def misuse_worker(rank, world, *, case, strategy):
+    torch.manual_seed(0)
+    module = make_model("net")
+    model = mf.fully_shard_model(module, fsdp_unit_modules=[Block], zero_dp_strategy=strategy)
+    x, y = make_batches("net", 1, batch=4 * world)[0]
+    before = mf.get_full_state_dict(model)
+    try:
+        if case == "wrap_twice":
+            mf.fully_shard_model(module, fsdp_unit_modules=[Block], zero_dp_strategy=strategy)
+        elif case == "wrap_submodule_again":
+            mf.fully_shard_model(module.blocks[0], zero_dp_strategy=strategy)
+        elif case == "optimizer_on_compute_params":
+            opt = torch.optim.SGD(model.module.parameters(), lr=0.1)
+            loss_fn("net", model(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+            opt.step()
+        elif case == "fully_shard_optimizer_on_compute_params":
+            mf.fully_shard_optimizer(torch.optim.SGD(model.module.parameters(), lr=0.1))
+    except (ValueError, TypeError) as exc:
+        after = mf.get_full_state_dict(model)
+        return str(exc), all(torch.equal(before[k], after[k]) for k in before)
+    return "no error", False
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim_grads_params"])
+@pytest.mark.parametrize("case", ["wrap_twice", "wrap_submodule_again", "optimizer_on_compute_params",
+                                  "fully_shard_optimizer_on_compute_params"])
+def test_misuse_is_a_clear_error(pool2, case, strategy):
+    """Items 8 and 9."""
+    for message, unchanged in pool2.run(misuse_worker, case=case, strategy=strategy):
+        assert unchanged, message
+        expected = "already wrapped" if case.startswith("wrap") else "model.parameters()"
+        assert expected in message, message
+
+
+def argument_worker(rank, world, *, case):
+    module = make_model("net")
+    kwargs = {}
+    if case == "unit_class":
+        kwargs = dict(fsdp_unit_modules=Block)
+    elif case == "bare_name":
+        kwargs = dict(fsdp_unit_modules="Block")
+    elif case == "policy_string":
+        kwargs = dict(mixed_precision_policy="bf16")
+    elif case == "not_a_module":
+        module = lambda x: x  # noqa: E731
+    elif case == "timeout":
+        kwargs = dict(collective_timeout_s=30.0)
+    try:
+        model = mf.fully_shard_model(module, **kwargs)
+    except (ValueError, TypeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return f"ok {len(model.units)}"
+
+
+@pytest.mark.parametrize(
+    "case,expected",
+    [
+        ("unit_class", "ok 3"),
+        ("bare_name", "is a bare class name"),
+        ("policy_string", "mixed_precision_policy='bf16' is not a MixedPrecisionPolicy"),
+        ("not_a_module", "wraps a torch.nn.Module"),
+        ("timeout", "ok 1"),
+    ],
+)
+def test_argument_messages(pool2, case, expected):
+    """Item 15."""
+    for message in pool2.run(argument_worker, case=case):
+        assert expected in message, message
+
+
+# -- buffers follow DDP -----------------------------------------------------------------------------
+class BNNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(5, 6)
+        self.bn = nn.BatchNorm1d(6)
+        self.out = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.bn(self.fc(x))))
+
+
+def buffers_worker(rank, world, *, strategy):
+    torch.manual_seed(0)
+    base = BNNet()
+    ddp = torch_ddp(copy.deepcopy(base))
+    ddp_opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    model, opt = mf.fully_shard(base, lambda p: torch.optim.SGD(p, lr=0.1), zero_dp_strategy=strategy)
+    g = torch.Generator().manual_seed(rank)  # every rank its own data: different batch statistics
+    for _ in range(3):
+        x, y = torch.randn(8, 5, generator=g) * (rank + 1), torch.randn(8, 3, generator=g)
+        for m, o in ((ddp, ddp_opt), (model, opt)):
+            o.zero_grad()
+            loss_fn("net", m(x), y).backward()
+            o.step()
+    ddp.eval()
+    model.eval()
+    probe = torch.randn(4, 5, generator=torch.Generator().manual_seed(99))
+    with torch.no_grad():
+        expected, got = ddp(probe), model(probe)
+    model.finish_param_sync()
+    stats = (model.module.bn.running_mean - ddp.module.bn.running_mean).abs().max().item()
+    return (got - expected).abs().max().item(), stats
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_buffers_broadcast_like_ddp(pool2, strategy):
+    """Item 14: running statistics broadcast from rank 0 at each forward, as DDP."""
+    for out_diff, stats_diff in pool2.run(buffers_worker, strategy=strategy):
+        assert out_diff < TOL and stats_diff < TOL
