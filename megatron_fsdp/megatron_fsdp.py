@@ -441,15 +441,15 @@ class MegatronFSDP(nn.Module):
                 else:
                     snapshot.copy_(group.model_weights.shard)
 
-    def _edited(self, group) -> bool:
+    def _edited(self, group) -> torch.Tensor:
+        """0-dim: the group's weights changed since installed (on the device: one
+        host sync for all groups, not one per group)."""
         kind = self._edit_kind(group)
         model, main = group.model_weights, group.main_weights
         if kind == "main":
             mine, source = (model.shard, main.shard) if group.strategy.shards_optimizer else (model.data, main.data)
-            return not torch.equal(mine, source.to(mine.dtype))
-        if kind == "shard":
-            return not torch.equal(model.shard, self._shard_snapshots[group])
-        return False
+            return (mine != source.to(mine.dtype)).any()
+        return (model.shard != self._shard_snapshots[group]).any()
 
     @torch.no_grad()
     def _refresh_edited_weights(self) -> None:
@@ -464,7 +464,7 @@ class MegatronFSDP(nn.Module):
         groups = [g for g in self.param_and_grad_buffer.groups if self._edit_kind(g) is not None]
         if not groups:
             return
-        flags = torch.tensor([float(self._edited(g)) for g in groups])
+        flags = torch.stack([self._edited(g) for g in groups]).float()
         if any(g.strategy in (ShardingStrategy.OPTIM, ShardingStrategy.OPTIM_GRADS) and g.layout.world_size > 1
                for g in groups):
             collectives.control_all_reduce(flags, self.dist_index.groups_for(False).shard_group,
