@@ -62,7 +62,8 @@ def get_args(argv=None) -> argparse.Namespace:
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="Accepted for Megatron-LM compatibility; the .bin holds unpadded ids.")
     g = parser.add_argument_group("input data")
-    g.add_argument("--input", required=True, help="JSON lines (.json/.jsonl[.gz]) or text file; a glob with --partitions.")
+    g.add_argument("--input", required=True,
+                   help="JSON lines (.json/.jsonl[.gz]) or a text file; a glob for several files.")
     g.add_argument("--input-format", choices=("auto", "jsonl", "text"), default="auto",
                    help="auto: JSON lines when the name ends in .json/.jsonl(.gz), else text.")
     g.add_argument("--text-documents", choices=("paragraph", "line", "file"), default="paragraph",

@@ -28,6 +28,7 @@ from megatron_fsdp.training.data import (
     IndexedDatasetWriter,
     build_datasets,
     build_train_valid_test_datasets,
+    data_args_problems,
     megatron_core_unavailable_reason,
     train_valid_test_num_samples,
 )
@@ -286,3 +287,13 @@ def test_two_ranks_build_identical_datasets(pool2, tmp_path, second_prefix):
         digests |= {r[1] for r in results}
         assert os.listdir(tmp_path / backend)
     assert len(digests) == 1, "every rank and backend builds the same samples"
+
+
+def test_data_args_problems_for_validation():
+    assert data_args_problems(_launcher_args()) == []
+    problems = data_args_problems(_launcher_args(data_path=["data/corpus.txt"], split="x", mock_data=True,
+                                                 merge_file=None))
+    assert len(problems) == 4
+    for fragment in ("--mock-data and --data-path are exclusive", "is not a Megatron indexed dataset",
+                     "--split 'x' must be", "needs --merge-file"):
+        assert any(fragment in p for p in problems), fragment

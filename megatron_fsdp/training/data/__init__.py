@@ -47,10 +47,34 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "Backend", "BatchLayout", "DEFAULT_CORPUS", "DataPathError", "IndexedDataset", "IndexedDatasetWriter",
     "MegatronSampleSource", "MockDataset", "SampleSource", "TextDataset", "TrainValidTestDatasets",
-    "build_datasets", "build_tokenizer_from_args", "build_train_valid_test_datasets", "data_path_problems",
+    "build_datasets", "build_tokenizer_from_args", "build_train_valid_test_datasets", "data_args_problems",
+    "data_path_problems",
     "get_microbatch", "load_corpus_tokens", "megatron_core_unavailable_reason", "parse_data_path",
     "split_windows", "train_valid_test_num_samples",
 ]
+
+
+def data_args_problems(args) -> list[str]:
+    """Every problem of the data and tokenizer flags (empty if none), for validation before
+    any process group: --data-path entries that are not indexed datasets, a malformed --split,
+    tokenizer flags without their files, and --mock-data with --data-path."""
+    from megatron_fsdp.training.data.gpt_dataset import parse_split
+    from megatron_fsdp.training.tokenizers import tokenizer_problems
+
+    problems = []
+    if getattr(args, "mock_data", False) and args.data_path:
+        problems.append("--mock-data and --data-path are exclusive; pick one data source")
+    problems += data_path_problems(args.data_path)
+    try:
+        parse_split(args.split)
+    except ValueError as exc:
+        problems.append(str(exc))
+    kind = getattr(args, "tokenizer_type", None)
+    problems += tokenizer_problems(getattr(kind, "value", kind), vocab_file=getattr(args, "vocab_file", None),
+                                   merge_file=getattr(args, "merge_file", None),
+                                   tokenizer_model=getattr(args, "tokenizer_model", None),
+                                   vocab_size=getattr(args, "vocab_size", None))
+    return problems
 
 
 def build_tokenizer_from_args(args):

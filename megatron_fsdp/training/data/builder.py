@@ -24,7 +24,6 @@ import logging
 from collections import OrderedDict
 from typing import Sequence
 
-import numpy as np
 import torch
 
 from megatron_fsdp.training.data import blending, gpt_dataset, indexed
@@ -53,7 +52,7 @@ def megatron_core_unavailable_reason() -> str | None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             from megatron.core.datasets import helpers  # noqa: F401  (the compiled helpers_cpp)
-            from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder  # noqa: F401
+            from megatron.core.datasets import blended_megatron_dataset_builder  # noqa: F401
             from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig  # noqa: F401
     except Exception as exc:  # ImportError, or the helpers' build step failing
         return f"{type(exc).__name__}: {exc}"
@@ -288,8 +287,3 @@ def _native_splits(low, prefix, num_samples, *, split, seq_length, seed, cache_p
         datasets.append(gpt_dataset.GPTDataset(low, indices, num_samples[s], name, seed=seed, seq_length=seq_length,
                                                cache_dir=cache_path, description=description))
     return datasets
-
-
-def np_text(source: MegatronSampleSource, index: int) -> np.ndarray:
-    """Sample ``index`` as numpy (tests compare backends with it)."""
-    return source.sample(index).numpy()
