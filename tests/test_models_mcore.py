@@ -54,11 +54,14 @@ def _mcore_on_cpu():
 
 def compare_worker(rank, world, *, name):
     cfg = GPTConfig(**SMALL, **CONFIGS[name])
+    # megatron-core builds on the current CUDA device where there is one (the CPU
+    # shim stands in for it elsewhere): ours and the inputs follow it there.
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     torch.manual_seed(0)
-    ours = GPT(cfg)
-    tokens = torch.randint(0, VOCAB, (2, SEQ + 1), generator=torch.Generator().manual_seed(1))
+    ours = GPT(cfg).to(device)
+    tokens = torch.randint(0, VOCAB, (2, SEQ + 1), generator=torch.Generator().manual_seed(1)).to(device)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    positions = torch.arange(SEQ).unsqueeze(0).expand_as(inputs)
+    positions = torch.arange(SEQ, device=device).unsqueeze(0).expand_as(inputs)
     with _mcore_on_cpu():
         torch.manual_seed(0)
         theirs = build_mcore_gpt(cfg, allow_cpu=True)
