@@ -340,6 +340,44 @@ def checkpoint_worker(rank, world, *, directory):
     return max((expected[n] - got[n]).abs().max().item() for n in expected)
 
 
+GLOBAL_BATCH = 16  # divisible by 2 and 4: the same batches at either world size
+
+
+def save_at_world_worker(rank, world, *, directory, steps):
+    batches = make_batches("net", 4, batch=GLOBAL_BATCH)
+    model = make_model("net", d=8, depth=3)
+    context = shard_net(model, make_mesh(world, "zero3"), placements_for("zero3"))
+    opt = train_sharded(model, context, batches[:steps], "adamw", rank, world)
+    save_checkpoint(model, opt, directory)
+
+
+def load_at_world_worker(rank, world, *, directory, steps, strategy):
+    batches = make_batches("net", 4, batch=GLOBAL_BATCH)
+    reference = train_reference(make_model("net", d=8, depth=3), "net", batches, "adamw")
+    torch.manual_seed(5)  # different initial weights: everything must come from the checkpoint
+    model = make_model("net", d=8, depth=3, seed=5)
+    context = shard_net(model, make_mesh(world, strategy), placements_for(strategy))
+    opt = make_optimizer("adamw")(model.parameters())
+    fully_shard_optimizer(opt)
+    load_checkpoint(model, opt, directory)
+    for x, y in batches[steps:]:
+        opt.zero_grad()
+        loss_fn("net", model(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+        opt.step()
+    return max_param_diff(full_state_dict(model), reference)
+
+
+@pytest.mark.parametrize("strategy", ["zero3", "zero1"])
+def test_checkpoint_reshards_across_world_sizes(pool2, pool4, strategy):
+    """Saved by 2 ranks, resumed by 4 (and by 2 with other placements): training
+    continues exactly as uninterrupted single-process training."""
+    with tempfile.TemporaryDirectory() as directory:
+        pool2.run(save_at_world_worker, directory=directory, steps=2)
+        for pool in (pool4, pool2):
+            for diff in pool.run(load_at_world_worker, directory=directory, steps=2, strategy=strategy):
+                assert diff < TOL, (pool.world, strategy, diff)
+
+
 def errors_worker(rank, world):
     mesh = make_mesh(world, "zero3")
     zero3 = placements_for("zero3")

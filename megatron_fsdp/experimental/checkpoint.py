@@ -1,9 +1,10 @@
 """Checkpoints and full weights of an experimentally sharded model.
 
-``save_checkpoint`` / ``load_checkpoint`` write and read one file per rank with
-that rank's rows of every main weight and of the optimizer state (same world
-size, mesh and model on load: checked, with an error naming the difference).
-Upstream writes a resharding DCP checkpoint instead; see the README for the gap.
+``save_checkpoint`` / ``load_checkpoint`` write and read a PyTorch Distributed
+Checkpoint (DCP) of the main weights and the optimizer state. A rank's rows of a
+tensor follow the flat layout, not DTensor's even split, so each local shard tells
+DCP its true global extent (``state_dict.attach_dcp_chunks``, shared with the main
+engine); loads therefore reshard to another world size or placement.
 
 ``full_state_dict`` gathers the full main weights through the DBuffers (never
 through ``DTensor.full_tensor()``, which assumes torch's even row split; see
@@ -12,21 +13,22 @@ through ``DTensor.full_tensor()``, which assumes torch's even row split; see
 
 from __future__ import annotations
 
+import io
 import os
 from typing import Any
 
 import torch
-import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
+from ..state_dict import checkpointable
 from .dbuffer import DBuffer
 from .module import FsdpModule
 from .parameter_group import sync_model_weights_from_main_weights
 
 __all__ = ["save_checkpoint", "load_checkpoint", "full_state_dict"]
 
-_FORMAT = "megatron_fsdp.experimental/rank-local/1"
 
 
 def _replicated(buffer: DBuffer) -> DBuffer:
@@ -56,36 +58,67 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _path(checkpoint_dir: str | os.PathLike) -> str:
-    return os.path.join(os.fspath(checkpoint_dir), f"rank{dist.get_rank():05d}.pt")
+def _sharded_entries(model: nn.Module) -> dict[int, tuple[str, torch.Tensor, int]]:
+    """id(sharded parameter) -> (name, parameter, where its local rows start in the
+    tensor's flat order). One entry per physical parameter (tied ones once)."""
+    entries: dict[int, tuple[str, torch.Tensor, int]] = {}
+    for prefix, module in model.named_modules():
+        if not isinstance(module, FsdpModule):
+            continue
+        prefix = f"{prefix}." if prefix else ""
+        for group in module.parameter_groups:
+            for index, p in enumerate(group.fsdp_parameters):
+                part = group.main_weight._owned(index)
+                entries[id(p.sharded)] = (prefix + p.fqns[0], p.sharded, part.item_start if part else 0)
+    for name, p in model.named_parameters():
+        if id(p) not in entries:
+            entries[id(p)] = (name, p, 0)
+    return entries
 
 
-def _local(value: Any) -> Any:
-    return value.to_local().clone() if isinstance(value, DTensor) else value
+def _dcp_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Tensors sharing storage with the live weights and optimizer state, each local
+    shard carrying its true global extent for DCP (state_dict.attach_dcp_chunks)."""
+    entries = _sharded_entries(model)
+    state: dict[str, Any] = {}
+    for name, p, start in entries.values():
+        state[f"model.{name}"] = checkpointable(p, p, start)
+    for p, values in optimizer.state.items():
+        name, like, start = entries[id(p)]
+        for key, value in values.items():
+            if isinstance(value, DTensor) and value.shape == like.shape:
+                state[f"optimizer.{name}.{key}"] = checkpointable(value, like, start)
+            elif torch.is_tensor(value):
+                state[f"optimizer.{name}.{key}"] = value  # e.g. AdamW's step: the same on every rank
+    return state
+
+
+@torch.no_grad()
+def _init_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's state tensors for DCP to load into: one step on zero
+    gradients, with the weights restored afterwards (the load overwrites the state)."""
+    if optimizer.state:
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    saved = [(p.to_local() if isinstance(p, DTensor) else p).clone() for p in params]
+    for p in params:
+        p.grad = torch.zeros_like(p, dtype=getattr(p, "grad_dtype", None) or p.dtype)
+    optimizer.step()
+    for p, value in zip(params, saved):
+        (p.to_local() if isinstance(p, DTensor) else p).copy_(value)
+        p.grad = None
 
 
 def save_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint_dir: str | os.PathLike) -> None:
-    """Write this rank's shards of ``model``'s weights and ``optimizer``'s state."""
-    os.makedirs(checkpoint_dir, exist_ok=True)
-    model_state = {name: _local(p.detach()) for name, p in model.named_parameters()}
-    optim_state = optimizer.state_dict()
-    optim_state["state"] = {
-        index: {key: _local(value) for key, value in state.items()} for index, state in optim_state["state"].items()
-    }
-    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    torch.save(
-        {"format": _FORMAT, "world": dist.get_world_size(), "shapes": shapes, "model": model_state, "optimizer": optim_state},
-        _path(checkpoint_dir),
-    )
-    dist.barrier()
-
-
-def _as_like(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    if not isinstance(like, DTensor):
-        return local
-    return DTensor.from_local(
-        local.to(like.device), like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
-    )
+    """Write ``model``'s main weights and ``optimizer``'s state as a DCP checkpoint
+    that loads at another world size or placement."""
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.state_dict()["param_groups"]]
+    state = _dcp_state(model, optimizer)
+    # Hyperparameters (lr, betas, ...) as one opaque object: DCP would flatten a list.
+    blob = io.BytesIO()
+    torch.save(groups, blob)
+    state["optimizer_param_groups"] = blob
+    dcp.save(state, checkpoint_id=os.fspath(checkpoint_dir))
 
 
 @torch.no_grad()
@@ -96,31 +129,19 @@ def load_checkpoint(
     *,
     sync_model_weights: bool = True,
 ) -> None:
-    """Read what ``save_checkpoint`` wrote into the same (sharded) model and optimizer."""
-    saved = torch.load(_path(checkpoint_dir), weights_only=False)
-    if saved.get("format") != _FORMAT:
-        raise ValueError(f"{checkpoint_dir} is not a megatron_fsdp.experimental checkpoint ({saved.get('format')!r})")
-    if saved["world"] != dist.get_world_size():
-        raise ValueError(
-            f"checkpoint was written by {saved['world']} ranks, this run has {dist.get_world_size()}; "
-            "this rank-local format does not reshard: load with the same world size"
-        )
-    params = dict(model.named_parameters())
-    shapes = {name: tuple(p.shape) for name, p in params.items()}
-    if shapes != saved["shapes"]:
-        diff = sorted(set(shapes.items()) ^ set(saved["shapes"].items()))
-        raise ValueError(f"checkpoint parameters differ from the model's: {diff[:6]}")
-    for name, p in params.items():
-        target = p.to_local() if isinstance(p, DTensor) else p
-        target.copy_(saved["model"][name])
-    ordered = [p for group in optimizer.param_groups for p in group["params"]]
-    optim_state = saved["optimizer"]
-    optim_state["state"] = {
-        index: {key: _as_like(v, ordered[index]) if key != "step" and torch.is_tensor(v) and v.dim() else v
-                for key, v in state.items()}
-        for index, state in optim_state["state"].items()
-    }
-    optimizer.load_state_dict(optim_state)
+    """Read a ``save_checkpoint`` checkpoint into a sharded model and its optimizer,
+    in place (DCP reshards to this run's world size and placements)."""
+    _init_optimizer_state(model, optimizer)
+    state = _dcp_state(model, optimizer)
+    state["optimizer_param_groups"] = io.BytesIO()
+    dcp.load(state, checkpoint_id=os.fspath(checkpoint_dir))
+    groups = state["optimizer_param_groups"]
+    if isinstance(groups, io.BytesIO):  # DCP fills the placeholder stream in place
+        groups.seek(0)
+        groups = torch.load(groups, weights_only=False)
+    if not isinstance(groups, list) or len(groups) != len(optimizer.param_groups):
+        raise ValueError(f"{checkpoint_dir}: optimizer param groups {groups!r} do not match this optimizer's")
+    for live, loaded in zip(optimizer.param_groups, groups):
+        live.update(loaded)
     if sync_model_weights:
         sync_model_weights_from_main_weights(model.parameters())
-    dist.barrier()
