@@ -11,6 +11,7 @@ from .megatron_fsdp import MegatronFSDP
 from .mixed_precision import MixedPrecisionPolicy
 from .checkpoint import load_checkpoint, save_checkpoint
 from .state_dict import StateDictMismatchError, get_full_state_dict, load_full_state_dict, save_full_state_dict
+from . import uneven_dtensor, utils  # upstream's module names (Megatron-LM imports helpers from them)
 
 __all__ = [
     "BucketStatus",

@@ -23,18 +23,21 @@ DtypeLike = Union[torch.dtype, str, None]
 class DistributedDataParallelConfig:
     """Configuration of data-parallel training with Megatron-FSDP."""
 
-    data_parallel_sharding_strategy: Union[str, int] = "optim_grads_params"
-    """ZeRO level inside the shard group: no_shard, optim, optim_grads, optim_grads_params (0-3)."""
+    data_parallel_sharding_strategy: Union[str, int] = "no_shard"
+    """ZeRO level inside the shard group: no_shard, optim, optim_grads, optim_grads_params (0-3).
+    The default is upstream's (``no_shard``); ``MegatronFSDP(ddp_config=None)`` and
+    ``fully_shard_model`` default to ``optim_grads_params``, as upstream's do."""
     outer_dp_sharding_strategy: Union[str, int] = "no_shard"
     """HSDP outer group: no_shard (replicate) or optim (HFSDP: shard optimizer state too)."""
     num_distributed_optimizer_instances: int = 1
     """Megatron's name for the outer (replica) group size under HFSDP."""
     use_megatron_fsdp: bool = True
     use_distributed_optimizer: bool = True
-    overlap_grad_reduce: bool = True
-    """Reduce a bucket's gradients as soon as they are ready, during backward."""
-    overlap_param_gather: bool = True
-    """Gather the next unit's weights while the current one computes."""
+    overlap_grad_reduce: bool = False
+    """Reduce a bucket's gradients as soon as they are ready, during backward
+    (default off, as upstream's config; ``fully_shard_model`` turns it on)."""
+    overlap_param_gather: bool = False
+    """Gather the next unit's weights while the current one computes (default off, as upstream's config)."""
     bucket_size: Optional[int] = None
     """Most elements per bucket: a unit's parameter group larger than this is split
     into several buckets (a parameter is never split). ``None``: one bucket per group."""
@@ -64,8 +67,31 @@ class DistributedDataParallelConfig:
     gradient_reduce_div_fusion: bool = True
     collective_timeout_s: Optional[float] = None
     """Seconds a collective may block before it fails (None: the process group's)."""
+    megatron_fsdp_enable_fine_grained_param_gather: bool = False
+    """Gather each parameter-owning module on its own (more, smaller all-gathers);
+    the same as ``fully_shard_model(enable_fine_grained_param_gather=True)``."""
+
+    # -- upstream options this engine does not implement ------------------------------
+    # Accepted at upstream's default, so upstream configs construct unchanged; any
+    # other value raises NotImplementedError naming the option (UNIMPLEMENTED_OPTIONS).
+    fsdp_all_gather_in_start_param_sync: bool = True
+    """Upstream: all-gather in the first parameter sync. Here ``start_param_sync``
+    always all-gathers, so only ``True`` is meaningful."""
+    fsdp_db_use_persist_buf_on_alloc_fail: bool = False
+    """Upstream: fall back to persistent buffers when a bucket misses the double buffer (NCCL UB)."""
+    disable_symmetric_registration: bool = False
+    """Upstream: NCCL user-buffer window registration switch (CUDA only)."""
+    fsdp_manual_registration: bool = False
+    """Upstream: register NCCL user buffers manually (CUDA only)."""
+    megatron_fsdp_use_decoupled_grad: bool = False
+    """Upstream: hand main gradients to precision-aware optimizers as ``decoupled_grad``."""
+    megatron_fsdp_cuda_graph_mode: bool = False
+    """Upstream: CUDA-graph-safe gradient references."""
+    megatron_fsdp_max_pool_double_buffer: bool = False
+    """Upstream: a max-size recycled double-buffer pool for asymmetric units."""
 
     def __post_init__(self) -> None:
+        check_unimplemented(self, UNIMPLEMENTED_OPTIONS, where="DistributedDataParallelConfig")
         self.sharding_strategy = ShardingStrategy.parse(
             self.data_parallel_sharding_strategy, arg_name="data_parallel_sharding_strategy"
         )
@@ -95,6 +121,30 @@ class DistributedDataParallelConfig:
     def mixed_precision_policy(self) -> MixedPrecisionPolicy:
         """The single mapping from Megatron's dtype flags to ``MixedPrecisionPolicy``."""
         return mixed_precision_policy_from(self)
+
+
+UNIMPLEMENTED_OPTIONS: dict[str, tuple[Any, str]] = {
+    # name: (the only accepted value, why)
+    "fsdp_all_gather_in_start_param_sync": (True, "start_param_sync always all-gathers here"),
+    "fsdp_db_use_persist_buf_on_alloc_fail": (False, "NCCL user-buffer double-buffer fallback is not implemented"),
+    "disable_symmetric_registration": (False, "NCCL user-buffer registration is not implemented"),
+    "fsdp_manual_registration": (False, "NCCL user-buffer registration is not implemented"),
+    "megatron_fsdp_use_decoupled_grad": (False, "decoupled (precision-aware optimizer) gradients are not implemented"),
+    "megatron_fsdp_cuda_graph_mode": (False, "CUDA graph capture of the step is not implemented"),
+    "megatron_fsdp_max_pool_double_buffer": (False, "the max-pool double buffer is not implemented; fsdp_double_buffer=True uses slot pools"),
+}
+
+
+def check_unimplemented(obj: Any, options: dict[str, tuple[Any, str]], *, where: str) -> None:
+    """Raise ``NotImplementedError`` naming the first upstream option set away
+    from the one value this engine supports (read as attributes or dict keys)."""
+    for name, (accepted, why) in options.items():
+        value = obj.get(name, accepted) if isinstance(obj, dict) else getattr(obj, name, accepted)
+        if value is not accepted and value != accepted:
+            raise NotImplementedError(
+                f"{where}: {name}={value!r} is not implemented in this version of megatron_fsdp ({why}); "
+                f"leave it at {accepted!r}"
+            )
 
 
 def mixed_precision_policy_from(cfg: Any) -> MixedPrecisionPolicy:

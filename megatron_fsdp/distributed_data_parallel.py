@@ -34,10 +34,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from . import device as device_mod
 from . import megatron_core_compat as mcore
 from .config import DistributedDataParallelConfig
-from .distributed_index import FSDPDistributedIndex
+from .distributed_index import FSDPDistributedIndex, build_default_mesh
 from .enums import ShardingStrategy
 from .megatron_fsdp import MegatronFSDP
-from .state_dict import get_full_state_dict
+from .state_dict import get_full_state_dict, sharded_state_dict
 
 logger = logging.getLogger(__name__)
 
@@ -204,34 +204,72 @@ def _world_hsdp_index(ddp_config: DistributedDataParallelConfig, device_type: st
 
 
 def build_dist_index(
-    ddp_config: DistributedDataParallelConfig, device: torch.device, pg_collection: Any = None
-) -> Optional[FSDPDistributedIndex]:
+    ddp_config: DistributedDataParallelConfig, device: torch.device, pg_collection: Any = None, config: Any = None
+) -> FSDPDistributedIndex:
     """The distributed index for ``pg_collection``'s data-parallel group(s), else
-    Megatron-core's parallel state when initialized, else the whole world (``None``
-    without HSDP: MegatronFSDP's default mesh)."""
+    Megatron-core's parallel state when initialized, else the whole world. With a
+    MoE ``config`` (``num_moe_experts``) it carries the expert mesh too."""
     hsdp = ddp_config.num_distributed_optimizer_instances > 1
     if pg_collection is not None:
         groups = _groups_from_collection(pg_collection, hsdp)
     else:
         groups = _groups_from_parallel_state(hsdp)
     device_type = device_mod.mesh_device_type(device)
+    outer_shards = ddp_config.outer_sharding_strategy is not ShardingStrategy.NO_SHARD
     if groups is None:
-        return _world_hsdp_index(ddp_config, device_type) if hsdp else None
-    if groups.tp_size > 1:
+        if hsdp:
+            index = _world_hsdp_index(ddp_config, device_type)
+        else:
+            index = FSDPDistributedIndex(build_default_mesh(device_type, "dp_cp", "tp"), dp_shard_dim="dp_cp", tp_dim="tp")
+    elif groups.tp_size > 1:
         raise NotImplementedError(
             f"tensor parallelism (TP size {groups.tp_size}) is not supported by megatron_fsdp's "
             "FullyShardedDataParallel; run with tensor_model_parallel_size=1"
         )
-    if not hsdp:
+    elif not hsdp:
         mesh = DeviceMesh.from_group(groups.shard, device_type, mesh_dim_names=("dp_cp",))
-        return FSDPDistributedIndex(mesh, dp_shard_dim="dp_cp")
+        index = FSDPDistributedIndex(mesh, dp_shard_dim="dp_cp")
+    else:
+        index = FSDPDistributedIndex(
+            _hsdp_mesh(groups, device_type),
+            dp_shard_dim="dp_cp",
+            dp_outer_dim="outer_fsdp_dp",
+            hybrid_fsdp_group=groups.hybrid,
+            hsdp_outer_dp_shard=outer_shards,
+        )
+    expert_mesh = _expert_mesh(config, index, device_type, pg_collection)
+    if expert_mesh is None:
+        return index
     return FSDPDistributedIndex(
-        _hsdp_mesh(groups, device_type),
-        dp_shard_dim="dp_cp",
-        dp_outer_dim="outer_fsdp_dp",
-        hybrid_fsdp_group=groups.hybrid,
-        hsdp_outer_dp_shard=ddp_config.outer_sharding_strategy is not ShardingStrategy.NO_SHARD,
+        index.device_mesh,
+        dp_shard_dim=index.dp_shard_dim,
+        dp_outer_dim=index.dp_outer_dim,
+        tp_dim=index.tp_dim,
+        hybrid_fsdp_group=index.hybrid_fsdp_group,
+        hsdp_outer_dp_shard=index.hsdp_outer_dp_shard,
+        expt_device_mesh=expert_mesh,
     )
+
+
+def _expert_mesh(config: Any, index: FSDPDistributedIndex, device_type: str, pg_collection: Any) -> Optional[DeviceMesh]:
+    """The expert data-parallel mesh of a MoE model (``config.num_moe_experts``):
+    over ``pg_collection.expt_dp`` or Megatron-core's expert data-parallel group;
+    without either (no expert parallelism) experts shard like dense parameters."""
+    if not getattr(config, "num_moe_experts", None):
+        return None
+    group = getattr(pg_collection, "expt_dp", None) if pg_collection is not None else None
+    if group is None and pg_collection is None:
+        ps = mcore.loaded_module("megatron.core.parallel_state")
+        if ps is not None and ps.model_parallel_is_initialized():
+            group = ps.get_expert_data_parallel_group()
+    if group is None or dist.get_world_size(group) == index.shard_size * index.outer_size:
+        return index.device_mesh  # expert data parallelism spans every data-parallel rank
+    if index.dp_outer_dim is not None:
+        raise NotImplementedError(
+            "expert parallelism together with HSDP (num_distributed_optimizer_instances > 1) is not supported "
+            "by FullyShardedDataParallel; use num_distributed_optimizer_instances=1"
+        )
+    return DeviceMesh.from_group(group, device_type, mesh_dim_names=(index.dp_shard_dim,))
 
 
 def default_unit_modules(module: nn.Module, strategy: ShardingStrategy) -> list[type]:
@@ -286,7 +324,8 @@ class FullyShardedDataParallel(nn.Module):
         self.config = config
         self.ddp_config = convert_ddp_config(ddp_config)
         self.device = device_mod.resolve_device(device)
-        self.megatron_fsdp_dist_index = build_dist_index(self.ddp_config, self.device, pg_collection)
+        self.mp_policy = self.ddp_config.mixed_precision_policy()
+        self.megatron_fsdp_dist_index = build_dist_index(self.ddp_config, self.device, pg_collection, config)
         if fsdp_unit_modules is None:
             fsdp_unit_modules = default_unit_modules(module, self.ddp_config.sharding_strategy)
         self.fsdp_unit_modules = list(fsdp_unit_modules)
@@ -299,6 +338,7 @@ class FullyShardedDataParallel(nn.Module):
             module,
             dist_index=self.megatron_fsdp_dist_index,
             ddp_config=self.ddp_config,
+            mixed_precision_policy=self.mp_policy,
             fsdp_unit_modules=self.fsdp_unit_modules,
             disable_bucketing=disable_bucketing,
             device=self.device,
@@ -367,7 +407,7 @@ class FullyShardedDataParallel(nn.Module):
     def state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> dict:
         """Main weights (DTensors where sharded), persistent buffers and modules'
         extra state, keyed like the unwrapped model's ``state_dict``."""
-        out = self.module.state_dict(prefix=prefix, keep_vars=keep_vars)
+        out = sharded_state_dict(self.module, prefix=prefix, keep_vars=keep_vars, module_prefix=False)
         for key, m in self._extra_states():
             out[prefix + key] = m.get_extra_state()
         if destination is not None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -20,15 +20,25 @@ DEFAULT_DP_SHARD_DIM = "fsdp"
 DEFAULT_TP_DIM = "tp"
 
 
+def has_submesh(mesh: DeviceMesh, dims: "str | tuple[str, ...]") -> bool:
+    """Whether ``mesh[dims]`` names a sub-mesh: a dimension of the mesh or one
+    flattened from its dimensions (``mesh[("dp_shard", "cp")]._flatten("dp_shard_cp")``)."""
+    try:
+        mesh[dims]
+    except (KeyError, ValueError, RuntimeError, IndexError):
+        return False
+    return True
+
+
 def _check_dim(mesh: DeviceMesh, dim: Optional[str], arg_name: str) -> None:
-    if dim is None:
+    if dim is None or has_submesh(mesh, dim):
         return
     names = mesh.mesh_dim_names or ()
-    if dim not in names:
-        raise ValueError(
-            f"{arg_name}={dim!r} is not a dimension of the device mesh (its dimensions are {list(names)}); "
-            f"name one of those, or build the mesh with mesh_dim_names that include {dim!r}"
-        )
+    raise ValueError(
+        f"{arg_name}={dim!r} is not a dimension of the device mesh (its dimensions are {list(names)}, "
+        f"plus any flattened from them); name one of those, build the mesh with mesh_dim_names that include "
+        f"{dim!r}, or flatten dimensions into it (mesh[(a, b)]._flatten({dim!r}))"
+    )
 
 
 _meshes: dict[tuple, DeviceMesh] = {}
@@ -138,9 +148,17 @@ class FSDPDistributedIndex:
         dp_outer_dim: Optional[str] = None,
         tp_dim: Optional[str] = None,
         hybrid_fsdp_group: Optional[dist.ProcessGroup] = None,
+        hybrid_fsdp_expt_group: Optional[dist.ProcessGroup] = None,
         hsdp_outer_dp_shard: bool = False,
         expt_device_mesh: Optional[DeviceMesh] = None,
+        fsdp_group_ag: Optional[dist.ProcessGroup] = None,
+        expt_fsdp_group_ag: Optional[dist.ProcessGroup] = None,
     ) -> None:
+        """Upstream's signature. ``fsdp_group_ag`` / ``expt_fsdp_group_ag`` (separate
+        all-gather groups) are only stored: ``get_fsdp_group(independent_all_gather=True)``
+        returns them; the engine gathers over the shard group."""
+        if dp_shard_dim is None:
+            raise ValueError("FSDPDistributedIndex needs dp_shard_dim: the mesh dimension parameters are sharded over")
         for dim, name in ((dp_shard_dim, "dp_shard_dim"), (dp_outer_dim, "dp_outer_dim"), (tp_dim, "tp_dim")):
             _check_dim(device_mesh, dim, name)
         self.device_mesh = device_mesh
@@ -157,9 +175,12 @@ class FSDPDistributedIndex:
         )
         self.tp_group: Optional[dist.ProcessGroup] = device_mesh[tp_dim].get_group() if tp_dim is not None else None
         self.hybrid_fsdp_group = hybrid_fsdp_group
+        self.hybrid_fsdp_expt_group = hybrid_fsdp_expt_group
+        self.fsdp_group_ag = fsdp_group_ag
+        self.expt_fsdp_group_ag = expt_fsdp_group_ag
         if expt_device_mesh is not None:
             for dim, name in ((dp_shard_dim, "dp_shard_dim"), (dp_outer_dim, "dp_outer_dim")):
-                if dim is not None and dim not in (expt_device_mesh.mesh_dim_names or ()):
+                if dim is not None and not has_submesh(expt_device_mesh, dim):
                     raise ValueError(
                         f"expt_device_mesh has no dimension {dim!r} ({name}); its dimensions are "
                         f"{list(expt_device_mesh.mesh_dim_names or ())}. Name the expert data-parallel dimensions alike."
@@ -213,6 +234,74 @@ class FSDPDistributedIndex:
     def dp_size(self) -> int:
         """All data-parallel ranks: gradients average over this many replicas."""
         return self.shard_size * self.outer_size
+
+    # -- upstream's accessors ----------------------------------------------------------
+    @property
+    def use_hybrid_fsdp(self) -> bool:
+        return self.dp_outer_dim is not None
+
+    @property
+    def fsdp_group(self) -> dist.ProcessGroup:
+        return self.dp_shard_group
+
+    @property
+    def outer_fsdp_group(self) -> Optional[dist.ProcessGroup]:
+        return self.dp_outer_group
+
+    @property
+    def expt_fsdp_group(self) -> Optional[dist.ProcessGroup]:
+        return None if self.expt_device_mesh is None else self.expt_device_mesh[self.dp_shard_dim].get_group()
+
+    @property
+    def expt_outer_fsdp_group(self) -> Optional[dist.ProcessGroup]:
+        if self.expt_device_mesh is None or self.dp_outer_dim is None:
+            return None
+        return self.expt_device_mesh[self.dp_outer_dim].get_group()
+
+    def get_root_mesh(self, is_expert_parallel: bool = False) -> Optional[DeviceMesh]:
+        """The mesh this index was built on (the expert mesh for expert parameters)."""
+        return self.expt_device_mesh if is_expert_parallel else self.device_mesh
+
+    def get_submesh(self, mesh_dim_names: "str | Sequence[str]", is_expert_parallel: bool = False) -> DeviceMesh:
+        """The sub-mesh of these dimension names (flattened ones included)."""
+        names = (mesh_dim_names,) if isinstance(mesh_dim_names, str) or mesh_dim_names is None else tuple(mesh_dim_names)
+        mesh = self.get_root_mesh(is_expert_parallel)
+        if mesh is None or None in names or not has_submesh(mesh, names if len(names) > 1 else names[0]):
+            raise ValueError(
+                f"get_submesh: no sub-mesh {names} (is_expert_parallel={is_expert_parallel}) in {mesh}; "
+                "name dimensions of the (expert) device mesh"
+            )
+        return mesh[names if len(names) > 1 else names[0]]
+
+    def get_fsdp_group(self, is_expert_parallel: bool = False, independent_all_gather: bool = False) -> Optional[dist.ProcessGroup]:
+        """The group parameters shard over (``independent_all_gather``: the separate
+        all-gather group given at construction, if any)."""
+        if independent_all_gather:
+            return self.expt_fsdp_group_ag if is_expert_parallel else self.fsdp_group_ag
+        return self.expt_fsdp_group if is_expert_parallel else self.fsdp_group
+
+    def get_outer_fsdp_group(self, is_expert_parallel: bool = False) -> Optional[dist.ProcessGroup]:
+        """The HSDP outer (replica) group; ``None`` without HSDP."""
+        if not self.use_hybrid_fsdp:
+            return None
+        return self.expt_outer_fsdp_group if is_expert_parallel else self.outer_fsdp_group
+
+    def get_dp_group(self, is_expert_parallel: bool = False) -> Optional[dist.ProcessGroup]:
+        """All data-parallel ranks: the hybrid (outer x shard) group under HSDP, else the shard group."""
+        if not self.use_hybrid_fsdp:
+            return self.get_fsdp_group(is_expert_parallel)
+        given = self.hybrid_fsdp_expt_group if is_expert_parallel else self.hybrid_fsdp_group
+        if given is not None:
+            return given
+        mesh = self.get_root_mesh(is_expert_parallel)
+        return None if mesh is None else mesh[(self.dp_outer_dim, self.dp_shard_dim)]._flatten().get_group()
+
+    def get_logical_hybrid_fsdp_rank(self, is_expert_parallel: bool = False) -> int:
+        """This rank's index when HFSDP shards over (shard, outer) in that order:
+        ``shard_rank * outer_size + outer_rank`` (the optimizer piece it owns)."""
+        if not self.hsdp_outer_dp_shard:
+            raise ValueError("get_logical_hybrid_fsdp_rank needs HFSDP (outer_dp_sharding_strategy='optim')")
+        return self.groups_for(is_expert_parallel).optimizer_rank
 
     def __repr__(self) -> str:
         return (

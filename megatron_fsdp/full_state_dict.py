@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from . import collectives
-from .state_dict import _persistent_buffers
+from .state_dict import _alias_names, _persistent_buffers
 
 if TYPE_CHECKING:
     from .megatron_fsdp import MegatronFSDP
@@ -50,7 +50,8 @@ def gather_full_state_dict(
             del flat  # one group's bucket at a time on the device
     if not keep:
         return {}
-    out = {name: full[name] for name in buffer.param_names.values()}
+    # Tied weights appear under every name, as in nn.Module.state_dict().
+    out = {alias: full[name] for alias, name in _alias_names(model).items()}
     for name, value in _persistent_buffers(model.module):
         out[name] = _export(value.detach(), None, device)
     return out

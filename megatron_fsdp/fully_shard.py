@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any, Optional, Sequence
 
@@ -11,7 +12,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from . import device as device_mod
-from .config import DistributedDataParallelConfig
+from .config import UNIMPLEMENTED_OPTIONS, DistributedDataParallelConfig, check_unimplemented
 from .distributed_index import DEFAULT_DP_SHARD_DIM, DEFAULT_TP_DIM, FSDPDistributedIndex, build_default_mesh
 from .enums import ShardingStrategy
 from .megatron_fsdp import MegatronFSDP, check_policy
@@ -28,7 +29,10 @@ def fully_shard_model(
     dp_outer_dim: Optional[str] = None,
     tp_dim: Optional[str] = None,
     hybrid_fsdp_group: Optional[dist.ProcessGroup] = None,
+    hybrid_fsdp_expt_group: Optional[dist.ProcessGroup] = None,
     expt_device_mesh: Optional[DeviceMesh] = None,
+    fsdp_group_ag: Optional[dist.ProcessGroup] = None,
+    expt_fsdp_group_ag: Optional[dist.ProcessGroup] = None,
     fsdp_unit_modules: Optional[Sequence[Any]] = None,
     zero_dp_strategy: str | int = 3,
     outer_dp_sharding_strategy: str | int = 0,
@@ -46,13 +50,23 @@ def fully_shard_model(
     keep_fp8_transpose_cache: bool = False,
     nccl_ub: bool = False,
     fsdp_double_buffer: bool = False,
+    fsdp_db_use_persist_buf_on_alloc_fail: bool = False,
+    disable_symmetric_registration: bool = False,
     enable_fine_grained_param_gather: bool = False,
+    use_decoupled_grad: bool = False,
+    cuda_graph_mode: bool = False,
+    maxpool_double_buffer: bool = False,
     check_for_nan_in_grad: bool = False,
     suggested_communication_unit_size: Optional[int] = None,
     broadcast_buffers: bool = True,
     collective_timeout_s: Optional[float] = None,
 ) -> MegatronFSDP:
-    """Wrap ``module`` in ``MegatronFSDP``; see the README for the meaning of each argument."""
+    """Wrap ``module`` in ``MegatronFSDP``; see the README for the meaning of each argument.
+
+    The parameters are upstream megatron-fsdp's, in its order (the last four are
+    ours). Upstream options this engine does not implement are accepted at their
+    default and raise ``NotImplementedError`` naming them at any other value."""
+    check_unimplemented(locals(), _UNIMPLEMENTED_MODEL_OPTIONS, where="fully_shard_model")
     check_policy(mixed_precision_policy)
     strategy, outer = _parse_strategies(zero_dp_strategy, outer_dp_sharding_strategy, dp_outer_dim, hybrid_fsdp_group)
     resolved_device = device_mod.resolve_device(device)
@@ -73,6 +87,11 @@ def fully_shard_model(
         keep_fp8_transpose_cache=keep_fp8_transpose_cache,
         nccl_ub=nccl_ub,
         fsdp_double_buffer=fsdp_double_buffer or nccl_ub,
+        fsdp_db_use_persist_buf_on_alloc_fail=fsdp_db_use_persist_buf_on_alloc_fail,
+        disable_symmetric_registration=disable_symmetric_registration,
+        megatron_fsdp_use_decoupled_grad=use_decoupled_grad,
+        megatron_fsdp_cuda_graph_mode=cuda_graph_mode,
+        megatron_fsdp_max_pool_double_buffer=maxpool_double_buffer,
         suggested_communication_unit_size=suggested_communication_unit_size,
         megatron_fsdp_main_params_dtype=mixed_precision_policy.main_params_dtype,
         megatron_fsdp_main_grads_dtype=mixed_precision_policy.main_grads_dtype,
@@ -85,6 +104,7 @@ def fully_shard_model(
         dp_outer_dim=dp_outer_dim,
         tp_dim=tp_dim,
         hybrid_fsdp_group=hybrid_fsdp_group,
+        hybrid_fsdp_expt_group=hybrid_fsdp_expt_group,
         hsdp_outer_dp_shard=outer is ShardingStrategy.OPTIM,
         expt_device_mesh=expt_device_mesh,
     )
@@ -105,6 +125,19 @@ def fully_shard_model(
     )
     model.preproc_state_dict_for_dcp_ckpt = preproc_state_dict_for_dcp_ckpt
     return model
+
+
+_UNIMPLEMENTED_MODEL_OPTIONS = {
+    # fully_shard_model's names for upstream options this engine does not implement
+    # (checked before anything is built, so no weight ever changes).
+    "fsdp_group_ag": (None, "a separate all-gather group (AG/RS overlap on CUDA) is not implemented"),
+    "expt_fsdp_group_ag": (None, "a separate expert all-gather group is not implemented"),
+    "fsdp_db_use_persist_buf_on_alloc_fail": UNIMPLEMENTED_OPTIONS["fsdp_db_use_persist_buf_on_alloc_fail"],
+    "disable_symmetric_registration": UNIMPLEMENTED_OPTIONS["disable_symmetric_registration"],
+    "use_decoupled_grad": UNIMPLEMENTED_OPTIONS["megatron_fsdp_use_decoupled_grad"],
+    "cuda_graph_mode": UNIMPLEMENTED_OPTIONS["megatron_fsdp_cuda_graph_mode"],
+    "maxpool_double_buffer": UNIMPLEMENTED_OPTIONS["megatron_fsdp_max_pool_double_buffer"],
+}
 
 
 def _parse_strategies(
@@ -147,31 +180,45 @@ def fully_shard_optimizer(
 
 
 def fully_shard(
-    module: torch.nn.Module, optimizer_or_factory: Any, **kwargs: Any
+    module: torch.nn.Module, optimizer: Any, *args: Any, **kwargs: Any
 ) -> tuple[MegatronFSDP, torch.optim.Optimizer]:
-    """``fully_shard_model`` plus ``fully_shard_optimizer``.
+    """``fully_shard_model`` plus ``fully_shard_optimizer``, with upstream's
+    parameters: ``module``, ``optimizer``, then every ``fully_shard_model`` option.
 
-    ``optimizer_or_factory`` is either a callable building the optimizer from the
-    sharded parameters (``lambda params: AdamW(params, lr=1e-3)``) or an optimizer
-    built on the *original* module, whose hyper-parameters and param-group layout
-    are re-created over the sharded parameters.
+    ``optimizer`` is an optimizer built on the *original* module (upstream's
+    usage), whose hyper-parameters and param-group layout are re-created over the
+    sharded parameters, or a callable building it from the sharded parameters
+    (``lambda params: AdamW(params, lr=1e-3)``).
     """
-    preproc = kwargs.get("preproc_state_dict_for_dcp_ckpt", True)
-    if isinstance(optimizer_or_factory, torch.optim.Optimizer):
-        check_rebuildable(optimizer_or_factory)
-    elif not callable(optimizer_or_factory):
+    bound = _FULLY_SHARD_SIGNATURE.bind(module, optimizer, *args, **kwargs)  # TypeError on unknown names
+    options = {k: v for k, v in bound.arguments.items() if k not in ("module", "optimizer")}
+    if isinstance(optimizer, torch.optim.Optimizer):
+        check_rebuildable(optimizer)
+    elif not callable(optimizer):
         raise TypeError(
-            f"fully_shard: optimizer_or_factory={optimizer_or_factory!r} is neither a torch.optim.Optimizer nor a "
-            "callable building one from parameters (lambda params: torch.optim.AdamW(params, lr=1e-3))"
+            f"fully_shard(optimizer={optimizer!r}): pass a torch.optim.Optimizer built on the module's parameters "
+            "or a callable building one from the sharded parameters (lambda params: torch.optim.AdamW(params))"
         )
-    model = fully_shard_model(module, **kwargs)
+    model = fully_shard_model(module, **options)
     try:
-        if isinstance(optimizer_or_factory, torch.optim.Optimizer):
-            optimizer = rebuild_optimizer(optimizer_or_factory, module, model)
+        if isinstance(optimizer, torch.optim.Optimizer):
+            optimizer = rebuild_optimizer(optimizer, module, model)
         else:
-            optimizer = optimizer_or_factory(model.parameters())
+            optimizer = optimizer(model.parameters())
+        preproc = options.get("preproc_state_dict_for_dcp_ckpt", True)
         optimizer = fully_shard_optimizer(optimizer, preproc_state_dict_for_dcp_ckpt=preproc)
     except BaseException:
         model.unshard_module()  # all or nothing: the module is left as it was given
         raise
     return model, optimizer
+
+
+def _fully_shard_signature() -> inspect.Signature:
+    """(module, optimizer, <fully_shard_model's options>): upstream's order."""
+    model_params = list(inspect.signature(fully_shard_model).parameters.values())
+    optimizer = inspect.Parameter("optimizer", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Any)
+    return inspect.Signature([model_params[0], optimizer, *model_params[1:]])
+
+
+_FULLY_SHARD_SIGNATURE = _fully_shard_signature()
+fully_shard.__signature__ = _FULLY_SHARD_SIGNATURE

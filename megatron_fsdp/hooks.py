@@ -38,6 +38,11 @@ from .unit_schedule import UnitSchedule
 
 logger = logging.getLogger(__name__)
 
+# [Note: hooks under torch.compile] Hook bodies resize storages, issue collectives
+# and flip unit states: nothing a compiler should trace. Each is a graph break
+# that runs eagerly, so torch.compile(model) compiles only the model's own code.
+_eager = torch.compiler.disable
+
 
 @dataclasses.dataclass(eq=False)
 class FSDPUnit:
@@ -138,6 +143,7 @@ class HookRuntime:
         return hook
 
     # -- root ---------------------------------------------------------------------
+    @_eager
     def root_pre_forward(self) -> None:
         with record_function("megatron_fsdp::root_pre_forward"):
             # One round trip for the root's groups and the first unit: each blocking
@@ -148,6 +154,7 @@ class HookRuntime:
                 self.all_gather.unshard(self.schedule.order[0].groups, async_op=True)
             self.all_gather.wait(self.root_groups)
 
+    @_eager
     def root_post_forward(self, output: Any) -> Any:
         for unit in self._forward_walk.remaining():
             self._visit_skipped_forward(unit)
@@ -162,6 +169,7 @@ class HookRuntime:
             self.all_gather.reshard(self.root_groups)
         return output
 
+    @_eager
     def _root_pre_backward(self, grad: Any) -> None:
         if not self._backward_queued:
             self._backward_queued = True
@@ -174,6 +182,7 @@ class HookRuntime:
             self.on_backward_start()
 
     # -- units --------------------------------------------------------------------
+    @_eager
     def pre_forward(self, unit: FSDPUnit) -> None:
         if unit.state is TrainingState.PRE_BACKWARD:
             return  # recompute inside backward: already gathered
@@ -201,6 +210,7 @@ class HookRuntime:
             if not self._keep_gathered(unit):
                 self.all_gather.reshard(unit.groups)
 
+    @_eager
     def post_forward(self, unit: FSDPUnit, output: Any, *, last: bool = True) -> Any:
         """``last``: the output of the unit's last module (a merged unit releases
         its weights only after all its modules ran)."""
@@ -218,6 +228,7 @@ class HookRuntime:
             register_multi_grad_hook(tensors, lambda grads: self.pre_backward(unit), mode="any")
         return output
 
+    @_eager
     def pre_backward(self, unit: FSDPUnit) -> None:
         self._root_pre_backward(None)
         if unit.state is TrainingState.PRE_BACKWARD:
@@ -255,6 +266,7 @@ class HookRuntime:
             self.all_gather.unshard(target.groups, async_op=True)
 
     # -- gradients --------------------------------------------------------------------
+    @_eager
     def on_grad(self, group: ParameterGroup, index: int, param: torch.Tensor) -> None:
         if self.grad_reduce.accumulate(group, index, param):
             self._group_complete(group)
@@ -265,6 +277,7 @@ class HookRuntime:
         # Every use of these weights has produced its gradient: they are free to go.
         self.all_gather.reshard([group])
 
+    @_eager
     def _post_backward_final(self) -> None:
         with record_function("megatron_fsdp::post_backward_final"):
             for unit in self._backward_walk.remaining():

@@ -17,7 +17,7 @@ from . import device as device_mod
 from . import streams, te_compat
 from . import state_dict as state_dict_mod
 from .all_gather_pipeline import AllGatherPipeline
-from .config import DistributedDataParallelConfig
+from .config import DistributedDataParallelConfig, check_unimplemented
 from .distributed_index import FSDPDistributedIndex, build_default_mesh
 from .enums import BucketStatus, ShardingStrategy
 from .grad_reduce_pipeline import GradReducePipeline, GradReduceOptions
@@ -86,6 +86,22 @@ def check_policy(policy: Any) -> None:
         )
 
 
+_UNIMPLEMENTED_INIT_OPTIONS = {
+    "enable_fine_grained_param_gather_backward_hook": (False, "backward-only fine-grained gathering is not implemented"),
+    "fine_grained_recurse_module_types": (None, "fine-grained gathering splits every parameter-owning module"),
+}
+
+
+def _default_ddp_config(**upstream_fields: Any) -> DistributedDataParallelConfig:
+    """The config ``MegatronFSDP(ddp_config=None)`` uses: ZeRO-3 with overlap, as upstream's."""
+    return DistributedDataParallelConfig(
+        data_parallel_sharding_strategy="optim_grads_params",
+        overlap_grad_reduce=True,
+        overlap_param_gather=True,
+        **upstream_fields,
+    )
+
+
 class MegatronFSDP(nn.Module):
     """Fully sharded data parallel wrapper in the Megatron style.
 
@@ -106,16 +122,42 @@ class MegatronFSDP(nn.Module):
         calculate_per_token_loss: bool = False,
         init_model_with_meta_device: bool = False,
         sync_model_each_microbatch: bool = True,
+        keep_fp8_transpose_cache: bool = False,
+        nccl_ub: bool = False,
+        fsdp_double_buffer: bool = False,
+        fsdp_db_use_persist_buf_on_alloc_fail: bool = False,
+        disable_symmetric_registration: bool = False,
         enable_fine_grained_param_gather_hook: bool = False,
+        enable_fine_grained_param_gather_backward_hook: bool = False,
+        fine_grained_recurse_module_types: Optional[Sequence[type]] = None,
         report_nan_in_param_grad: bool = False,
         broadcast_buffers: bool = True,
     ) -> None:
-        """``broadcast_buffers``: as DDP's option of that name, the module's buffers
-        (BatchNorm running statistics) are broadcast from the first data-parallel
-        rank at the start of each forward that follows a training forward, so every
-        rank holds rank 0's buffers."""
+        """Upstream's signature, plus ``broadcast_buffers``: as DDP's option of that
+        name, the module's buffers (BatchNorm running statistics) are broadcast from
+        the first data-parallel rank at the start of each forward that follows a
+        training forward, so every rank holds rank 0's buffers.
+        ``keep_fp8_transpose_cache`` ... ``disable_symmetric_registration`` only
+        matter without a ``ddp_config`` (they fill the default one, as upstream's do)."""
         super().__init__()
-        self.ddp_config = ddp_config or DistributedDataParallelConfig()
+        check_unimplemented(
+            {
+                "enable_fine_grained_param_gather_backward_hook": enable_fine_grained_param_gather_backward_hook,
+                "fine_grained_recurse_module_types": fine_grained_recurse_module_types,
+            },
+            _UNIMPLEMENTED_INIT_OPTIONS,
+            where="MegatronFSDP",
+        )
+        self.ddp_config = ddp_config or _default_ddp_config(
+            keep_fp8_transpose_cache=keep_fp8_transpose_cache,
+            nccl_ub=nccl_ub,
+            fsdp_double_buffer=fsdp_double_buffer or nccl_ub,
+            fsdp_db_use_persist_buf_on_alloc_fail=fsdp_db_use_persist_buf_on_alloc_fail,
+            disable_symmetric_registration=disable_symmetric_registration,
+        )
+        enable_fine_grained_param_gather_hook = (
+            enable_fine_grained_param_gather_hook or self.ddp_config.megatron_fsdp_enable_fine_grained_param_gather
+        )
         self.strategy: ShardingStrategy = self.ddp_config.sharding_strategy
         if mixed_precision_policy is not None:
             check_policy(mixed_precision_policy)
@@ -547,13 +589,17 @@ class MegatronFSDP(nn.Module):
     def named_parameters(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[tuple[str, nn.Parameter]]:
-        """The distributed parameters, named as in the wrapped module (no ``module.`` prefix)."""
+        """The distributed parameters, named as in the wrapped module (no ``module.`` prefix).
+        ``recurse=False`` yields none: the wrapper registers no parameter of its own
+        (torch.distributed.checkpoint.state_dict walks modules that way)."""
+        if not recurse:
+            return
         for name, param in self.param_and_grad_buffer.named_dist_params():
             yield prefix + name, param
 
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> dict:
-        """Main weights (DTensors where sharded, ready for torch.distributed.checkpoint)
-        and persistent buffers, keyed like the wrapped module (no ``module.`` prefix)."""
+        """Main weights (standard DTensors where sharded, see state_dict.py) and
+        persistent buffers, keyed ``module.<name>`` as upstream's. Collective."""
         out = state_dict_mod.sharded_state_dict(self, prefix=prefix, keep_vars=keep_vars)
         if destination is not None:
             destination.update(out)
@@ -561,7 +607,7 @@ class MegatronFSDP(nn.Module):
         return out
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False):
-        """Load DTensors of this model's sharding (as DCP fills them) or full tensors."""
+        """Load DTensors (any layout) or full tensors, keyed ``module.<name>`` or ``<name>``. Collective."""
         if assign:
             raise ValueError("load_state_dict(assign=True) would replace the sharded buffers; use assign=False")
         return state_dict_mod.load_sharded_state_dict(self, state_dict, strict=strict)

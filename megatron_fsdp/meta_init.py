@@ -46,6 +46,29 @@ def _resets_buffers(module: nn.Module) -> bool:
     return callable(getattr(module, "reset_buffers", None))
 
 
+def _has_reset(module: nn.Module) -> bool:
+    return callable(getattr(module, "reset_parameters", None))
+
+
+def _has_private_reset(module: nn.Module) -> bool:
+    """PyTorch's attention / transformer modules initialise through a private
+    ``_reset_parameters()`` that runs after their children were built."""
+    return not _has_reset(module) and callable(getattr(module, "_reset_parameters", None))
+
+
+def _eager_resets(module: nn.Module) -> list:
+    """The initialisers of ``module``'s subtree in eager construction order: a
+    module's own ``reset_parameters()`` / ``reset_buffers()`` before its children's
+    (they run at the end of its ``__init__``; children built after it run later), a
+    ``_reset_parameters()`` after them (``nn.MultiheadAttention`` builds
+    ``out_proj``, then resets)."""
+    children = [call for child in module.children() for call in _eager_resets(child)]
+    own = [getattr(module, m) for m in ("reset_parameters", "reset_buffers") if callable(getattr(module, m, None))]
+    if _has_private_reset(module):
+        return own + children + [module._reset_parameters]
+    return own + children
+
+
 def _check_buffers_written(name: str, module: nn.Module, fresh: dict) -> None:
     """A materialised buffer starts as uninitialised memory (on CUDA, stale bytes from
     the caching allocator): the module's own init must write or replace it. An
@@ -64,47 +87,71 @@ def _check_buffers_written(name: str, module: nn.Module, fresh: dict) -> None:
 @torch.no_grad()
 def materialize_meta_module(module: nn.Module, buffer: ParamAndGradBuffer, device: torch.device) -> int:
     """Materialise every meta parameter/buffer of ``module``; returns the peak bytes
-    of full parameter values alive at once (one module's worth)."""
+    of full parameter values alive at once (one module's worth; a whole subtree for
+    a module initialised by ``_reset_parameters()``)."""
     accounting = buffer.accounting
     peak_before, accounting.peak_temporary = accounting.peak_temporary, accounting.temporary
+    handled: set[int] = set()
     for name, sub in module.named_modules():
+        if id(sub) in handled:
+            continue
+        if _has_private_reset(sub) and has_meta_tensors(sub):
+            # The whole subtree at once: _reset_parameters() may write its
+            # children's parameters (MultiheadAttention zeroes out_proj.bias).
+            members = dict(sub.named_modules(prefix=name))
+            handled.update(id(m) for m in members.values())
+            _materialize_block(members, _eager_resets(sub), buffer, device, accounting)
+            continue
         own = [p for _, p in sub.named_parameters(recurse=False)]
         meta_params = [p for p in own if p.device.type == "meta"]
         meta_buffers = [n for n, b in sub.named_buffers(recurse=False) if b.device.type == "meta"]
         if not meta_params and not meta_buffers:
             continue
-        if not callable(getattr(sub, "reset_parameters", None)) and (meta_params or not _resets_buffers(sub)):
+        if not _has_reset(sub) and (meta_params or not _resets_buffers(sub)):
             raise ValueError(
-                f"module {name or '<root>'!r} ({type(sub).__name__}) has tensors on the meta device but no "
-                "reset_parameters(); implement reset_parameters() for it, or build it on a real device"
+                f"module {name or '<root>'!r} ({type(sub).__name__}) has tensors on the meta device but neither "
+                "reset_parameters() nor _reset_parameters(); implement reset_parameters() for it, or build it "
+                "on a real device"
             )
-        # Parameters already materialised (a weight tied to an earlier module) get
-        # scratch storage: reset_parameters() writes them as an eager build would,
-        # and the value in the buffers, the one an eager build keeps, stays.
-        earlier = [p for p in own if p.device.type != "meta" and p in buffer.param_names]
-        for p in earlier:
-            p.data = torch.empty(p.shape, dtype=p.dtype, device=device)
-        for p in meta_params:
-            _materialize_in_place(p, device)
-        for n in meta_buffers:
-            sub._buffers[n] = torch.empty_like(sub._buffers[n], device=device)
-        fresh = {n: (sub._buffers[n], sub._buffers[n]._version) for n in meta_buffers}
-        scratch = _nbytes(meta_params + earlier)
-        accounting.on_alloc(scratch)
-        if callable(getattr(sub, "reset_parameters", None)):
-            sub.reset_parameters()
-        if _resets_buffers(sub):
-            sub.reset_buffers()
-        _check_buffers_written(name, sub, fresh)
-        for p in meta_params:
-            group, index = buffer.slot(p)
-            buffer.store_param_value(group, index, p.detach())
-        for p in meta_params + earlier:
-            buffer.repoint(*buffer.slot(p))
-        accounting.on_free(scratch)
+        resets = [getattr(sub, m) for m in ("reset_parameters", "reset_buffers") if callable(getattr(sub, m, None))]
+        _materialize_block({name: sub}, resets, buffer, device, accounting)
     peak = accounting.peak_temporary
     accounting.peak_temporary = max(peak_before, peak)
     if has_meta_tensors(module):
         left = [n for n, t in list(module.named_parameters()) + list(module.named_buffers()) if t.device.type == "meta"]
         raise ValueError(f"meta-device tensors were not materialised: {left}; give their modules reset_parameters()")
     return peak
+
+
+def _materialize_block(members: dict[str, nn.Module], resets: list, buffer: ParamAndGradBuffer, device, accounting) -> None:
+    """Give ``members``' own tensors real storage, run ``resets``, check every
+    materialised buffer was written, store the new parameter values into the
+    buffers and point the parameters back into them."""
+    own = list(dict.fromkeys(p for m in members.values() for p in m.parameters(recurse=False)))
+    meta_params = [p for p in own if p.device.type == "meta"]
+    # Parameters already materialised (a weight tied to an earlier module) get
+    # scratch storage: the resets write them as an eager build would, and the
+    # value in the buffers, the one an eager build keeps, stays.
+    earlier = [p for p in own if p.device.type != "meta" and p in buffer.param_names]
+    for p in earlier:
+        p.data = torch.empty(p.shape, dtype=p.dtype, device=device)
+    for p in meta_params:
+        _materialize_in_place(p, device)
+    fresh = {}
+    for name, m in members.items():
+        meta_buffers = [n for n, b in m._buffers.items() if b is not None and b.device.type == "meta"]
+        for n in meta_buffers:
+            m._buffers[n] = torch.empty_like(m._buffers[n], device=device)
+        fresh[name] = (m, {n: (m._buffers[n], m._buffers[n]._version) for n in meta_buffers})
+    scratch = _nbytes(meta_params + earlier)
+    accounting.on_alloc(scratch)
+    for reset in resets:
+        reset()
+    for name, (m, written) in fresh.items():
+        _check_buffers_written(name, m, written)
+    for p in meta_params:
+        group, index = buffer.slot(p)
+        buffer.store_param_value(group, index, p.detach())
+    for p in meta_params + earlier:
+        buffer.repoint(*buffer.slot(p))
+    accounting.on_free(scratch)

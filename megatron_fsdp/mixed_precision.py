@@ -8,8 +8,9 @@ from typing import Optional
 
 import torch
 
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _DTYPE_NAMES = {
+    "fp64": torch.float64,
+    "float64": torch.float64,
     "fp32": torch.float32,
     "float32": torch.float32,
     "bf16": torch.bfloat16,
@@ -20,8 +21,9 @@ _DTYPE_NAMES = {
 
 
 def parse_dtype(value: "torch.dtype | str | None", *, arg_name: str) -> Optional[torch.dtype]:
-    """Map ``torch.float32`` / ``'fp32'`` / ``'bf16'`` / ``'fp16'`` / ``'auto'`` / ``None``
-    to a floating dtype (``'auto'`` and ``None`` mean "follow the default")."""
+    """Map any floating ``torch.dtype`` (as upstream, e.g. ``torch.float64``) or
+    ``'fp64'`` / ``'fp32'`` / ``'bf16'`` / ``'fp16'`` / ``'auto'`` / ``None`` to a
+    floating dtype (``'auto'`` and ``None`` mean "follow the default")."""
     if value is None:
         return None
     if isinstance(value, str):
@@ -31,16 +33,16 @@ def parse_dtype(value: "torch.dtype | str | None", *, arg_name: str) -> Optional
         if key not in _DTYPE_NAMES:
             raise ValueError(
                 f"{arg_name}={value!r} is not a supported dtype; use one of "
-                f"'fp32', 'bf16', 'fp16', 'auto' or a torch floating dtype"
+                f"'fp64', 'fp32', 'bf16', 'fp16', 'auto' or a torch floating dtype"
             )
         return _DTYPE_NAMES[key]
     if isinstance(value, torch.dtype):
-        if value not in _FLOAT_DTYPES:
+        if not value.is_floating_point:
             raise ValueError(
-                f"{arg_name}={value} is not supported; use torch.float32, torch.bfloat16 or torch.float16"
+                f"{arg_name}={value} is not a floating dtype; use e.g. torch.float32, torch.bfloat16 or torch.float64"
             )
         return value
-    raise ValueError(f"{arg_name}={value!r} must be a torch dtype or one of 'fp32', 'bf16', 'fp16', 'auto'")
+    raise ValueError(f"{arg_name}={value!r} must be a torch dtype or one of 'fp64', 'fp32', 'bf16', 'fp16', 'auto'")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

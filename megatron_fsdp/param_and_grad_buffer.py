@@ -305,7 +305,8 @@ class ParamAndGradBuffer:
     def _make_dist_param(self, group: ParameterGroup, index: int) -> nn.Parameter:
         compute = group.params[index]
         local = self._optimizer_view(group, group.main_weight_source, index)
-        value = local if not self.strategy.shards_optimizer else self.as_dtensor(group, local, compute)
+        # Replicated groups of a no_shard model are Replicate() DTensors too, as upstream's.
+        value = self.as_dtensor(group, local, compute)
         return nn.Parameter(value, requires_grad=compute.requires_grad)
 
     def _optimizer_view(self, group: ParameterGroup, buffer: DataParallelBuffer, index: int) -> torch.Tensor:

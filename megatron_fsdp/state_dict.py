@@ -1,16 +1,23 @@
 """State dicts of a sharded model: sharded (DTensor) for checkpoints, full for export.
 
-[Note: uneven DTensor shards] A parameter's local shard is a flat slice of a flat
-buffer: possibly uneven across ranks, possibly empty, possibly starting mid-row.
-DTensor's own metadata assumes ``torch.chunk``-style splits, so for
-``torch.distributed.checkpoint`` each local tensor carries its true extent: the
-flat slice is cut into rectangular boxes (``layout.flat_range_boxes``) addressed by
-global offsets. DCP asks the local tensor for them through the hooks DTensor
-forwards (``__create_write_items__``, ``__create_chunk_list__``,
-``__get_tensor_shard__``). Because loads plan reads from global offsets, a
-checkpoint written with one world size / strategy loads into another.
-"""
+[Note: standard state-dict DTensors] The optimizer's distributed parameters are
+flat slices of flat buffers: possibly uneven, empty, or starting mid-row. No
+DTensor placement describes such a slice, so ``model.state_dict()`` does not hand
+them out. It gathers each parameter group's main weights (one collective per
+group, the group's unsharded size in temporary memory) and keeps, per parameter,
+the rows a ``Shard(0)`` DTensor holds on this rank (``torch.chunk`` split over the
+dp-shard mesh dimension, replicated over an outer one). Those DTensors behave
+under every standard API: ``full_tensor()``, ``redistribute``,
+``torch.distributed.checkpoint`` (which reshards on load) and
+``torch.distributed.checkpoint.state_dict.get_model_state_dict``; and they carry
+no closures, so ``torch.save`` pickles them. Loading turns any DTensor layout back
+into this rank's flat slice (``full_tensor()`` per parameter, then a slice).
 
+The optimizer's state dict still carries the flat slices, with their true extent
+given to DCP through the hooks DTensor forwards (``attach_dcp_chunks``): the
+flat range is cut into rectangular boxes (``layout.flat_range_boxes``) addressed
+by global offsets, so DCP reshards optimizer state as well.
+"""
 from __future__ import annotations
 
 import logging
@@ -21,7 +28,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .layout import flat_range_boxes
 
@@ -92,20 +99,79 @@ def checkpointable(value: torch.Tensor, like: torch.Tensor, flat_start: int) -> 
 
 
 # -- model state dicts -----------------------------------------------------------------
-def sharded_state_dict(model: "MegatronFSDP", *, prefix: str = "", keep_vars: bool = False) -> "OrderedDict[str, Any]":
-    """Main weights (DTensors where sharded) and persistent buffers, keyed like the wrapped module."""
+MODULE_PREFIX = "module."
+"""Upstream Megatron-FSDP keys its state dict through the wrapper's ``module``
+attribute (``module.<name>``); so do we, and loading accepts both forms."""
+
+
+def chunk_rows(rows: int, world: int, rank: int) -> tuple[int, int]:
+    """``[start, end)`` of the rows ``rank`` holds when ``rows`` are split as
+    ``torch.chunk`` / DTensor ``Shard(0)`` split them (ceil-sized chunks, the last
+    ranks possibly empty)."""
+    size = -(-rows // world) if rows else 0
+    start = min(rank * size, rows)
+    return start, min(start + size, rows)
+
+
+def _standard_dtensor(group, full: torch.Tensor) -> DTensor:
+    """``full`` (this parameter's unsharded main weights) as a DTensor whose local
+    piece is what standard DTensor APIs expect: whole rows split like
+    ``torch.chunk`` over the dp-shard mesh dimension (the mesh's last), replicated
+    over any outer dimension; ``Replicate()`` everywhere for replicated groups and
+    0-d parameters. ``full_tensor()``, ``redistribute`` and DCP need nothing more.
+    See [Note: standard state-dict DTensors]."""
+    mesh = group.dp.mesh
+    if not group.strategy.shards_optimizer or full.dim() == 0:
+        # A copy, not a view of the flat bucket: torch.save would otherwise pickle
+        # the whole bucket's storage (and cannot read a resizable one).
+        local = full.clone()
+        placements = (Replicate(),) * mesh.ndim
+    else:
+        world = mesh.size(mesh.ndim - 1)
+        rank = mesh.get_local_rank(mesh.ndim - 1)
+        start, end = chunk_rows(full.shape[0], world, rank)
+        local = full[start:end].clone()
+        placements = (Replicate(),) * (mesh.ndim - 1) + (Shard(0),)
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
+
+
+def _alias_names(model: "MegatronFSDP") -> dict[str, str]:
+    """Every state-dict name of a parameter (tied weights have several, as in
+    ``nn.Module.state_dict()``) -> the name the buffer files it under."""
+    names = model.param_and_grad_buffer.param_names
+    return {name: names[p] for name, p in model.module.named_parameters(remove_duplicate=False)}
+
+
+def sharded_state_dict(
+    model: "MegatronFSDP", *, prefix: str = "", keep_vars: bool = False, module_prefix: bool = True
+) -> "OrderedDict[str, Any]":
+    """Main weights and persistent buffers, keyed ``module.<name>`` like upstream
+    (``module_prefix=False``: keyed like the wrapped module).
+
+    Sharded weights are gathered per parameter group (a collective over its data-
+    parallel group) and handed out as standard DTensors (``_standard_dtensor``):
+    fresh tensors (replicated ones too), so loading goes through ``load_state_dict``.
+    ``keep_vars=True`` hands out the distributed parameters themselves (the
+    optimizer's flat shards)."""
     buffer = model.param_and_grad_buffer
+    base = prefix + (MODULE_PREFIX if module_prefix else "")
+    values: dict[str, Any] = {}
+    if keep_vars:
+        values = dict(buffer.named_dist_params())
+    else:
+        from .full_state_dict import _gather_main_weights  # it imports this module
+
+        model.all_gather_pipeline.wait_all()
+        for group in buffer.groups:
+            flat, _ = _gather_main_weights(group, model.all_gather_pipeline.timeout)
+            for index, (name, param) in enumerate(zip(group.names, group.params)):
+                start, end = group.layout.item_range(index)
+                values[name] = _standard_dtensor(group, flat[start:end].view(param.shape).detach())
     out: "OrderedDict[str, Any]" = OrderedDict()
-    preprocess = getattr(model, "preproc_state_dict_for_dcp_ckpt", True)
-    for name, param in buffer.named_dist_params():
-        if keep_vars:
-            out[prefix + name] = param
-        elif preprocess:
-            out[prefix + name] = checkpointable(param, param, buffer.local_flat_start(param))
-        else:
-            out[prefix + name] = param.detach()
+    for alias, name in _alias_names(model).items():
+        out[base + alias] = values[name]
     for name, value in _persistent_buffers(model.module):
-        out[prefix + name] = value if keep_vars else value.detach()
+        out[base + name] = value if keep_vars else value.detach()
     return out
 
 
@@ -121,21 +187,43 @@ def _describe(value: Any) -> str:
     return f"{tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
 
 
+def _own_keys(model: "MegatronFSDP", state_dict: Mapping[str, Any]) -> tuple[dict[str, str], list[str], list[str]]:
+    """Match the given keys (``module.<name>`` or ``<name>``, tied aliases optional)
+    to the model's canonical names: (canonical -> given key, missing, unexpected)."""
+    aliases = _alias_names(model)
+    canonical = list(dict.fromkeys(aliases.values())) + [n for n, _ in _persistent_buffers(model.module)]
+    known = set(aliases) | set(canonical)
+    given: dict[str, str] = {}
+    unexpected = []
+    for key in state_dict:
+        name = key
+        if name not in known and name.startswith(MODULE_PREFIX) and name[len(MODULE_PREFIX):] in known:
+            name = name[len(MODULE_PREFIX):]
+        if name not in known:
+            unexpected.append(key)
+            continue
+        target = aliases.get(name, name)
+        if target not in given or name == target:  # the canonical key wins over an alias
+            given[target] = key
+    missing = [MODULE_PREFIX + n for n in canonical if n not in given]
+    return given, missing, unexpected
+
+
 @torch.no_grad()
 def load_sharded_state_dict(model: "MegatronFSDP", state_dict: Mapping[str, Any], *, strict: bool = True):
-    """Load main weights from DTensors of the same sharding (e.g. filled by DCP) or
+    """Load main weights from DTensors (our ``state_dict()`` as DCP filled it, any
+    DTensor layout of the full weights, the distributed parameters themselves) or
     from plain full tensors (a pretrained model); then refresh the compute weights.
 
-    Everything is validated before anything is written, so a mismatch never leaves
-    the model half-loaded.
+    Everything is validated (and every collective run) before anything is written,
+    so a mismatch never leaves the model half-loaded. Collective.
     """
-    own = sharded_state_dict(model, keep_vars=True)
-    missing = [k for k in own if k not in state_dict]
-    unexpected = [k for k in state_dict if k not in own]
+    own = sharded_state_dict(model, keep_vars=True, module_prefix=False)
+    given, missing, unexpected = _own_keys(model, state_dict)
     mismatched = [
-        f"{k}: checkpoint {_describe(state_dict[k])} vs model {_describe(own[k])}"
-        for k in own
-        if k in state_dict and (not isinstance(state_dict[k], torch.Tensor) or state_dict[k].shape != own[k].shape)
+        f"{given[k]}: checkpoint {_describe(state_dict[given[k]])} vs model {_describe(own[k])}"
+        for k in given
+        if not isinstance(state_dict[given[k]], torch.Tensor) or state_dict[given[k]].shape != own[k].shape
     ]
     problems = []
     if mismatched:
@@ -144,11 +232,15 @@ def load_sharded_state_dict(model: "MegatronFSDP", state_dict: Mapping[str, Any]
         problems.append(f"missing keys {missing}")
     if strict and unexpected:
         problems.append(f"unexpected keys {unexpected}")
+    if problems:
+        raise StateDictMismatchError(
+            "cannot load the state dict into the model (nothing was loaded): " + "; ".join(problems)
+        )
     sources = {}
-    for key in own:
-        if key in state_dict and not mismatched:
+    for key in own:  # the model's order: the same collectives on every rank
+        if key in given:
             try:
-                sources[key] = _local_source(model, key, own[key], state_dict[key])
+                sources[key] = _local_source(model, given[key], own[key], state_dict[given[key]])
             except ValueError as exc:
                 problems.append(str(exc))
     if problems:
@@ -166,18 +258,26 @@ def load_sharded_state_dict(model: "MegatronFSDP", state_dict: Mapping[str, Any]
 
 
 def _local_source(model: "MegatronFSDP", key: str, own: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """The part of ``value`` that this rank's ``own`` tensor holds."""
-    if not isinstance(own, DTensor):
-        return value.to_local() if isinstance(value, DTensor) else value
-    local = own.to_local()
+    """The part of ``value`` that this rank's ``own`` tensor (a distributed
+    parameter or a buffer) holds."""
+    from .megatron_fsdp import owner_of  # the wrapper imports this module
+
     if isinstance(value, DTensor):
-        if value.to_local().shape != local.shape:
-            raise ValueError(
-                f"{key}: the DTensor's local shard {tuple(value.to_local().shape)} was cut for another sharding "
-                f"than this model's {tuple(local.shape)}; load it through torch.distributed.checkpoint, which "
-                "reshards, or pass full tensors"
-            )
-        return value.to_local()
+        if owner_of(value) is not None:  # a distributed parameter: flat shards
+            local = own.to_local() if isinstance(own, DTensor) else own
+            if value.to_local().shape != local.shape:
+                raise ValueError(
+                    f"{key}: the distributed parameter's shard {tuple(value.to_local().shape)} was cut for another "
+                    f"sharding than this model's {tuple(local.shape)}; pass model.state_dict() or full tensors"
+                )
+            return value.to_local()
+        if all(isinstance(p, Replicate) for p in value.placements):
+            value = value.to_local()
+        else:
+            value = value.full_tensor()  # collective over the value's mesh
+    if not isinstance(own, DTensor) or own.to_local().shape == own.shape:
+        return value
+    local = own.to_local()
     start = model.param_and_grad_buffer.local_flat_start(own)
     return value.reshape(-1)[start : start + local.numel()]
 

@@ -29,7 +29,9 @@ def _die_on_rank1(rank):
 
 def dead_rank_main(rank, world, port, phase, path, results):
     init_local_gloo(rank, world, port, timeout_s=60)
-    cfg = mf.DistributedDataParallelConfig(collective_timeout_s=COLLECTIVE_TIMEOUT_S)
+    cfg = mf.DistributedDataParallelConfig(
+        data_parallel_sharding_strategy="optim_grads_params", collective_timeout_s=COLLECTIVE_TIMEOUT_S
+    )  # explicit: the config default is upstream's no_shard (issue 13)
     model = mf.MegatronFSDP(make_model("net"), ddp_config=cfg, fsdp_unit_modules=[Block])
     opt = mf.fully_shard_optimizer(torch.optim.AdamW(model.parameters(), lr=0.01))
     x, y = make_batches("net", 1, batch=8)[0]

@@ -1,0 +1,64 @@
+"""``torch.compile(model)`` over a MegatronFSDP model trains like eager (hooks stay
+out of tracing: see [Note: hooks under torch.compile] in hooks.py). Modules
+holding the wrapper (``OptimizedModule``, a container) should see the distributed
+main weights in ``parameters()``: not done yet (xfail below)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn as nn
+
+import megatron_fsdp as mf
+from models import Block, loss_fn, make_batches, make_model, make_optimizer
+
+STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
+TOL = 1e-5
+GLOBAL_BATCH = 8
+
+
+def _inductor_missing() -> str:
+    if shutil.which("g++") is None and shutil.which("c++") is None:
+        return "torch.compile's inductor backend needs a C++ compiler (g++), which is not installed"
+    return ""
+
+
+def compile_worker(rank, world, *, strategy):
+    batches = make_batches("net", 3, GLOBAL_BATCH)
+    results = []
+    for compiled in (False, True):
+        model = mf.fully_shard_model(module=make_model("net", depth=2), fsdp_unit_modules=[Block], zero_dp_strategy=strategy)
+        runner = torch.compile(model) if compiled else model
+        optimizer = mf.fully_shard_optimizer(make_optimizer("adamw")(model.parameters()))
+        for x, y in batches:
+            optimizer.zero_grad()
+            loss_fn("net", runner(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+            optimizer.step()
+        results.append(mf.get_full_state_dict(model))
+    eager, compiled = results
+    return max((eager[k] - compiled[k]).abs().max().item() for k in eager)
+
+
+@pytest.mark.skipif(bool(_inductor_missing()), reason=_inductor_missing() or "inductor available")
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_compiled_model_trains_like_eager(pool2, strategy):
+    assert max(pool2.run(compile_worker, strategy=strategy)) < TOL
+
+
+def container_worker(rank, world):
+    model = mf.fully_shard_model(module=make_model("net"), fsdp_unit_modules=[Block])
+    container = nn.ModuleDict({"fsdp": model})
+    mains = {id(p) for p in model.parameters()}
+    seen = [id(p) for p in container.parameters()]
+    return sorted(seen) == sorted(mains)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="not done (issue 13): a module holding the wrapper walks the wrapped module's compute parameters; "
+    "build optimizers from model.parameters() of the MegatronFSDP itself",
+)
+def test_containers_see_the_main_weights(pool2):
+    assert all(pool2.run(container_worker))

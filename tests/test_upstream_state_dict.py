@@ -1,0 +1,169 @@
+"""Upstream-compatible state dicts: standard DTensors whose ``full_tensor()`` and
+``get_model_state_dict(full_state_dict=True)`` give the single-process weights,
+``module.``-prefixed keys (both forms load), ``Replicate()`` for no_shard,
+``torch.save``-able values, tied-weight aliases, and DCP resharding."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+import megatron_fsdp as mf
+from megatron_fsdp.state_dict import chunk_rows
+from models import Block, loss_fn, make_batches, make_model, make_optimizer, train_reference
+
+STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
+GLOBAL_BATCH = 8
+TOL = 1e-5
+
+
+def _trained(kind, strategy, rank, world, steps=2):
+    model, opt = mf.fully_shard(
+        make_model(kind), make_optimizer("adamw"), fsdp_unit_modules=[Block], zero_dp_strategy=strategy
+    )
+    for x, y in make_batches(kind, steps, GLOBAL_BATCH):
+        opt.zero_grad()
+        loss_fn(kind, model(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+        opt.step()
+    return model, opt
+
+
+def _reference(kind, steps=2):
+    return train_reference(make_model(kind), kind, make_batches(kind, steps, GLOBAL_BATCH), "adamw")
+
+
+def _strip(key):
+    return key[len("module."):] if key.startswith("module.") else key
+
+
+def full_tensor_worker(rank, world, *, kind, strategy):
+    model, _ = _trained(kind, strategy, rank, world)
+    reference = _reference(kind).state_dict()
+    sd = model.state_dict()
+    keys_ok = sorted(sd) == sorted("module." + k for k in reference)
+    diffs, kinds = {}, set()
+    for key, value in sd.items():
+        assert isinstance(value, DTensor), key
+        kinds.add(tuple(type(p).__name__ for p in value.placements))
+        full = value.full_tensor()
+        ref = reference[_strip(key)]
+        assert full.shape == ref.shape, (key, full.shape, ref.shape)
+        diffs[key] = (full - ref).abs().max().item()
+    full_sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    dsd_diff = max((full_sd[k] - reference[_strip(k)]).abs().max().item() for k in full_sd)
+    return keys_ok, max(diffs.values()), sorted(kinds), dsd_diff, sorted(full_sd) == sorted(sd)
+
+
+@pytest.mark.parametrize("kind", ["net", "tied"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_full_tensor_equals_single_process(pool, kind, strategy):
+    for keys_ok, diff, kinds, dsd_diff, dsd_keys in pool.run(full_tensor_worker, kind=kind, strategy=strategy):
+        assert keys_ok  # module.<name>, tied aliases included, as upstream
+        assert diff < TOL
+        assert dsd_diff < TOL and dsd_keys
+        if strategy == "no_shard":
+            assert kinds == [("Replicate",)]
+        else:
+            assert ("Shard",) in kinds  # rows split like torch.chunk
+
+
+def local_layout_worker(rank, world, *, strategy):
+    model, _ = _trained("net", strategy, rank, world, steps=1)
+    out = {}
+    for key, value in model.state_dict().items():
+        if value.dim() and isinstance(value.placements[-1], Shard):
+            start, end = chunk_rows(value.shape[0], world, rank)
+            out[key] = tuple(value.to_local().shape) == (end - start, *value.shape[1:])
+    return out
+
+
+def test_local_shards_are_whole_row_chunks(pool4):
+    for result in pool4.run(local_layout_worker, strategy="optim_grads_params"):
+        assert result and all(result.values())
+
+
+def torch_save_worker(rank, world, *, strategy):
+    model, _ = _trained("tied", strategy, rank, world)
+    buf = io.BytesIO()
+    torch.save(model.state_dict(), buf)  # no closures on the tensors
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    fresh, _ = _trained("tied", strategy, rank, world, steps=0)
+    fresh.load_state_dict(loaded)
+    mine, theirs = mf.get_full_state_dict(model), mf.get_full_state_dict(fresh)
+    return all(torch.equal(mine[k], theirs[k]) for k in mine), "head.weight" in mine
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_torch_save_round_trip(pool2, strategy):
+    for equal, alias in pool2.run(torch_save_worker, strategy=strategy):
+        assert equal and alias
+
+
+def key_forms_worker(rank, world, *, strategy):
+    reference = _reference("net")
+    results = []
+    for prefixed in (False, True):
+        model, _ = _trained("net", strategy, rank, world, steps=0)
+        sd = {("module." + k if prefixed else k): v for k, v in reference.state_dict().items()}
+        model.load_state_dict(sd)
+        full = mf.get_full_state_dict(model)
+        results.append(max((full[k] - v).abs().max().item() for k, v in reference.state_dict().items()))
+    # the DTensor form through torch's own loader: set_model_state_dict distributes
+    # the full tensors with our state dict's placements
+    model, _ = _trained("net", strategy, rank, world, steps=0)
+    full_in = {"module." + k: v for k, v in reference.state_dict().items()}
+    set_model_state_dict(model, full_in, options=StateDictOptions(full_state_dict=True))
+    full = mf.get_full_state_dict(model)
+    results.append(max((full[k] - v).abs().max().item() for k, v in reference.state_dict().items()))
+    return results
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_load_accepts_both_key_forms(pool2, strategy):
+    for diffs in pool2.run(key_forms_worker, strategy=strategy):
+        assert diffs == [0.0, 0.0, 0.0]
+
+
+def dcp_save_worker(rank, world, *, strategy, path):
+    model, _ = _trained("net", strategy, rank, world)
+    dcp.save({"model": model.state_dict()}, checkpoint_id=path)
+    return True
+
+
+def dcp_load_worker(rank, world, *, strategy, path):
+    model, _ = _trained("net", strategy, rank, world, steps=0)
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=path)
+    model.load_state_dict(state["model"])
+    full = mf.get_full_state_dict(model)
+    reference = _reference("net").state_dict()
+    return max((full[k] - v).abs().max().item() for k, v in reference.items())
+
+
+@pytest.mark.parametrize("source,target", [("optim_grads_params", "optim"), ("no_shard", "optim_grads_params")])
+def test_dcp_reshards_model_state(pool2, pool4, tmp_path, source, target):
+    path = str(tmp_path / "ckpt")
+    pool2.run(dcp_save_worker, strategy=source, path=path)
+    for diff in pool4.run(dcp_load_worker, strategy=target, path=path):
+        assert diff < TOL
+
+
+def replicate_params_worker(rank, world):
+    model, _ = _trained("net", "no_shard", rank, world, steps=1)
+    kinds = set()
+    for p in model.parameters():
+        kinds.add(type(p).__name__ if not isinstance(p, DTensor) else tuple(type(q).__name__ for q in p.placements))
+        if p.grad is not None:
+            kinds.add(("grad",) + (tuple(type(q).__name__ for q in p.grad.placements) if isinstance(p.grad, DTensor) else ("plain",)))
+    return sorted(kinds, key=str)
+
+
+def test_no_shard_parameters_are_replicate_dtensors(pool2):
+    for kinds in pool2.run(replicate_params_worker):
+        assert kinds == [("Replicate",), ("grad", "Replicate")]
