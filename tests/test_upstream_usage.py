@@ -110,11 +110,9 @@ def test_readme_quick_start(pool, tmp_path):
 # -- fully_shard with upstream's keywords ---------------------------------------------------
 def fully_shard_keywords_worker(rank, world, *, strategy):
     batches = make_batches("net", 3, GLOBAL_BATCH)
-    reference = train_reference(make_model("net"), "net", batches, "sgd_momentum")
+    reference = train_reference(make_model("net"), "net", batches, "adamw")
     module = make_model("net")
-    # Built on the module, as upstream's users do. (SGD: rebuilding AdamW from its
-    # defaults is fixed by issue 14's rebuild_optimizer.)
-    optimizer = make_optimizer("sgd_momentum")(module.parameters())
+    optimizer = make_optimizer("adamw")(module.parameters())  # built on the module, as upstream's users do
     mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp", "tp"))
     model, optimizer = fully_shard(
         module=module,
@@ -360,7 +358,6 @@ def dcp_recipe_worker(rank, world, *, strategy, path):
     return all(torch.equal(resumed[k], uninterrupted[k]) for k in uninterrupted)
 
 
-@pytest.mark.xfail(strict=True, reason="needs eager optimizer state from issue 14 (fully_shard_optimizer leaves Adam's state lazy)")
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_upstream_dcp_recipe_resumes_bit_equal(pool, tmp_path, strategy):
     assert all(pool.run(dcp_recipe_worker, strategy=strategy, path=str(tmp_path / "ckpt")))
