@@ -84,6 +84,7 @@ def comm_record(cells: list[Cell], spec: ImplSpec, counts: ParamCounts, elem: in
         "per_kind": per_kind,
         "total_bytes_per_step": sum(v["bytes_per_step"] for v in per_kind.values()),
         "total_minimum": sum(minimum.values()),
+        "control_bytes_per_step": cells[-1].ranks[0]["comm"]["control_bytes"] / steps,
         "package_recorder_bytes_per_step": package,
         "ddp_bucket_numel_per_step": bucket_numel,
         "cross_check": _cross_check(spec, per_kind, package, bucket_numel, elem),

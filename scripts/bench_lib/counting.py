@@ -73,6 +73,9 @@ _PACKAGE_TARGETS: dict[str, tuple[str, str, Callable[[Any], int]]] = {
     "reduce_scatter": ("reduce_scatter", "full", _nbytes),
     "all_reduce": ("all_reduce", "tensor", _nbytes),
     "broadcast": ("broadcast", "tensor", _nbytes),
+    # Flags that decide what the data collectives do (gradient presence, weight
+    # edits): counted apart, as the package's own recorder does.
+    "control_all_reduce": ("control", "tensor", _nbytes),
 }
 
 
@@ -167,5 +170,6 @@ class CollectiveCounter:
         return {
             "counts": {k: self.counts.get(k, 0) for k in KINDS},
             "bytes": {k: self.bytes.get(k, 0) for k in KINDS},
+            "control_bytes": self.bytes.get("control", 0),
             "ddp_bucket_numel": self.ddp_bucket_numel,
         }
