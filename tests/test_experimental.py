@@ -378,6 +378,45 @@ def test_checkpoint_reshards_across_world_sizes(pool2, pool4, strategy):
                 assert diff < TOL, (pool.world, strategy, diff)
 
 
+def unused_parameter_worker(rank, world):
+    model = make_model("net", d=8, depth=3)
+    model.blocks[0].unused = nn.Linear(3, 3)  # never called in forward
+    context = shard_net(model, make_mesh(world, "zero3"), placements_for("zero3"))
+    x, y = make_batches("net", 1, batch=4 * world)[0]
+    try:
+        loss_fn("net", model(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+    except RuntimeError as e:
+        return {"error": str(e), "resting": all(m.phase is FsdpModule.Phase.RESTING for m in context.forward_order)}
+    return {"error": None}
+
+
+def test_unused_parameter_is_a_clear_error(pool):
+    for result in pool.run(unused_parameter_worker):
+        assert result["error"] and "blocks.0" in result["error"] and "unused" in result["error"], result
+
+
+def stale_weights_worker(rank, world):
+    """bf16 compute weights must follow the fp32 main weights even when the
+    optimizer was not wrapped by fully_shard_optimizer."""
+    model = make_model("net", d=8, depth=3).to(torch.bfloat16)
+    shard_net(model, make_mesh(world, "zero3"), placements_for("zero3"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, foreach=False)  # no fully_shard_optimizer
+    x, y = (t.to(torch.bfloat16) for t in make_batches("net", 1, batch=4 * world)[0])
+    loss_fn("net", model(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+    opt.step()
+    eager = make_model("net", d=8, depth=3)
+    eager.load_state_dict(full_state_dict(model))
+    with torch.no_grad():
+        expected = eager.to(torch.bfloat16)(x)
+        got = model(x)
+    return (got.float() - expected.float()).abs().max().item()
+
+
+def test_compute_weights_follow_main_weights_without_optimizer_hooks(pool):
+    diffs = pool.run(stale_weights_worker)
+    assert all(diff == 0.0 for diff in diffs), diffs
+
+
 def errors_worker(rank, world):
     mesh = make_mesh(world, "zero3")
     zero3 = placements_for("zero3")

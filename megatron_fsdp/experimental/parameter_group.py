@@ -111,7 +111,6 @@ class FsdpParameterGroup:
         accounting.add_persistent("model_weights", _nbytes(self.model_weight))
         if self.model_weight is not self.main_weight:
             accounting.add_persistent("main_weights", _nbytes(self.main_weight))
-        self._synced_version = self.main_weight.local_buffer._version
         replicated = (Replicate(),) * mesh.ndim
         self._unsharded_model_weight = DBuffer(mesh, replicated, shapes, self.dtype, device, name=name)
         self.main_grad: Optional[DBuffer] = None
@@ -120,6 +119,7 @@ class FsdpParameterGroup:
             self.main_grad = DBuffer(mesh, main_grad_placements, shapes, grad_dtype, device, name=name)
             accounting.add_persistent("main_grads", _nbytes(self.main_grad))
         self.fsdp_parameters = tuple(self._make_parameters(fqns_of))
+        self._synced_version = self._main_version()
         self._bind_unsharded(self._unsharded_model_weight)
         self.reshard_parameters()
         self._unsharded_model_weight.release_storage()
@@ -183,13 +183,20 @@ class FsdpParameterGroup:
             and self.model_weight.dtype == self.dtype
         )
         self.model_weight = self.main_weight.cast(self.dtype, out=self.model_weight if reuse else None)
-        self._synced_version = self.main_weight.local_buffer._version
+        self._synced_version = self._main_version()
+
+    def _main_version(self) -> tuple[int, int]:
+        """Changes whenever the main weights are written in place: through the buffer,
+        or through the sharded parameters (whose local tensors keep version
+        counters of their own)."""
+        through_params = sum(p.sharded._local_tensor._version for p in self.fsdp_parameters)
+        return self.main_weight.local_buffer._version, through_params
 
     def _refresh_if_stale(self) -> None:
-        # The optimizer writes main_weight in place, which bumps its version counter:
-        # a changed version means compute weights older than the main weights.
+        # The optimizer writes the main weights in place, which bumps a version
+        # counter: a changed version means compute weights older than the main weights.
         if self.model_weight is not self.main_weight or self.model_weight.placements != self._model_weight_placements:
-            if self.main_weight.local_buffer._version != self._synced_version:
+            if self._main_version() != self._synced_version:
                 self.sync_model_weight_from_main_weight()
 
     @property
@@ -202,7 +209,7 @@ class FsdpParameterGroup:
         self._refresh_if_stale()
         if self.model_weight.placements != self._model_weight_placements:
             self.model_weight = self.model_weight.redistribute(self._model_weight_placements)
-            self._synced_version = self.main_weight.local_buffer._version
+            self._synced_version = self._main_version()
         if self._replicated:
             return None
         target = self._unsharded_model_weight
