@@ -24,9 +24,22 @@ def has_indexed_data() -> bool:
     return hasattr(data_mod, "data_path_problems") and hasattr(data_mod, "build_tokenizer_from_args")
 
 
+def _tokenizer_problems_fn():
+    try:
+        from . import tokenizers
+    except ImportError:
+        return None
+    return getattr(tokenizers, "tokenizer_problems", None)
+
+
 def validate(args) -> list[str]:
     if has_indexed_data():
-        return list(data_mod.data_path_problems(args.data_path))
+        problems = list(data_mod.data_path_problems(args.data_path))
+        check = _tokenizer_problems_fn()
+        if check is not None and args.tokenizer_type not in _LOCAL_TOKENIZERS:
+            problems += check(args.tokenizer_type, vocab_file=args.vocab_file, merge_file=args.merge_file,
+                              tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size)
+        return problems
     problems = []
     if args.tokenizer_type not in (None, *_LOCAL_TOKENIZERS):
         problems.append(f"--tokenizer-type {args.tokenizer_type} needs the data module's tokenizers, which this "
