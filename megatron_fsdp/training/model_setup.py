@@ -130,6 +130,8 @@ MODEL_FLAG_FIELDS = (
     ModelFlag("moe_router_pre_softmax", "moe_router_pre_softmax", False),
     ModelFlag("moe_layer_freq", "moe_layer_freq", 1),
     ModelFlag("openai_gelu", "openai_gelu", True),
+    ModelFlag("moe_router_topk_scaling_factor", "moe_router_topk_scaling_factor", None),
+    ModelFlag("moe_shared_expert_intermediate_size", "moe_shared_expert_intermediate_size", None),
 )
 # Older GPTConfig spellings of the same settings.
 _LEGACY_FIELDS = {"untie_embeddings_and_output_weights": ("tie_embeddings", lambda v: not v),
@@ -149,7 +151,7 @@ def _baseline_ok(flag: ModelFlag, args) -> bool:
     if flag.dest in ("rotary_base", "rotary_percent"):
         return args.position_embedding_type != "rope" or value == flag.baseline
     if flag.dest in ("moe_router_topk", "moe_ffn_hidden_size", "moe_aux_loss_coeff", "moe_router_pre_softmax",
-                     "moe_layer_freq"):
+                     "moe_layer_freq", "moe_router_topk_scaling_factor", "moe_shared_expert_intermediate_size"):
         return args.num_experts is None or value == flag.baseline
     if isinstance(value, list):
         value = value[0]
