@@ -34,7 +34,7 @@ from .all_gather_pipeline import AllGatherPipeline
 from .enums import ShardingStrategy, TrainingState
 from .grad_reduce_pipeline import GradReducePipeline
 from .param_and_grad_buffer import ParamAndGradBuffer, ParameterGroup
-from .unit_schedule import UnitSchedule
+from .unit_schedule import UnitSchedule, finish_order
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +57,12 @@ class FSDPUnit:
     def gathers(self) -> bool:
         """no_shard groups are never gathered: such a unit needs no module hooks."""
         return any(g.strategy is not ShardingStrategy.NO_SHARD for g in self.groups)
+
+
+def _contains(outer: FSDPUnit, inner: FSDPUnit) -> bool:
+    """``inner``'s modules live inside ``outer``'s (nested units)."""
+    inside = {id(m) for module in outer.modules for m in module.modules()}
+    return outer is not inner and id(inner.modules[0]) in inside
 
 
 def _grad_tensors(output: Any) -> list[torch.Tensor]:
@@ -92,7 +98,9 @@ class HookRuntime:
         self.on_backward_end = on_backward_end
         self.root_dp_group = root_dp_group
         self.root_groups = buffer.groups_of_unit(None)
-        self.schedule: UnitSchedule[FSDPUnit] = UnitSchedule(u for u in units if u.gathers)
+        gathering = [u for u in units if u.gathers]
+        self._ancestors = {u: {a for a in gathering if _contains(a, u)} for u in gathering}
+        self.schedule: UnitSchedule[FSDPUnit] = UnitSchedule(gathering, finish_order(gathering, _contains))
         self._forward_walk = self.schedule.forward_walk()
         self._backward_walk = self.schedule.backward_walk()
         self._unrequested: list[FSDPUnit] = []
@@ -199,7 +207,7 @@ class HookRuntime:
         """The last unit of a training forward is the first of the backward: releasing
         it only to gather it again at once costs a blocking all-gather and saves no
         memory. It is released when its gradients are done (or at the end)."""
-        return torch.is_grad_enabled() and self.schedule.final and unit is self.schedule.order[-1]
+        return torch.is_grad_enabled() and self.schedule.final and unit is self.schedule.finish_order[-1]
 
     def _visit_skipped_forward(self, unit: FSDPUnit) -> None:
         """[Note: one unit sequence on every rank] A unit this rank's forward did not
@@ -220,6 +228,8 @@ class HookRuntime:
         keep = not last or self._keep_gathered(unit)
         if last:
             unit.state = TrainingState.IDLE
+            if training:
+                self.schedule.observe(unit, finished=True)
         if not keep:
             with record_function(f"megatron_fsdp::reshard:{unit.name}"):
                 self.all_gather.reshard(unit.groups)
@@ -239,25 +249,32 @@ class HookRuntime:
         self._visit_backward(unit)
 
     def _visit_backward(self, unit: FSDPUnit) -> None:
-        self._request_passed_units()
+        self._request_passed_units(unit)
         self._unrequested.append(unit)
         unit.state = TrainingState.PRE_BACKWARD
         with record_function(f"megatron_fsdp::unshard_backward:{unit.name}"):
             self.all_gather.unshard_and_wait(unit.groups)
             self._prefetch(unit, step=-1)
 
-    def _request_passed_units(self) -> None:
-        """Units the backward walk has left: no gradient is still to come for them, so
-        their weights go (even with parameters that got none) and, with
-        ``reduce_at_boundaries``, their reductions may start (in order)."""
+    def _request_passed_units(self, current: Optional[FSDPUnit] = None) -> None:
+        """Units the backward walk has left (all but ``current``'s enclosing units,
+        whose own parameters' gradients come after their children's): no gradient
+        is still to come for them, so their weights go (even with parameters that
+        got none) and, with ``reduce_at_boundaries``, their reductions may start (in
+        order)."""
         sync = self.sync_enabled()
+        enclosing = self._ancestors.get(current, set()) if current is not None else set()
+        still_open = []
         for passed in self._unrequested:
+            if passed in enclosing:
+                still_open.append(passed)
+                continue
             trainable = [g for g in passed.groups if g.requires_grad]
             if self.reduce_at_boundaries:
                 for group in trainable:
                     self.grad_reduce.reduce(group, sync=sync)
             self.all_gather.reshard(trainable)
-        self._unrequested = []
+        self._unrequested = still_open
 
     def _prefetch(self, unit: FSDPUnit, *, step: int) -> None:
         if not self.prefetch_depth:

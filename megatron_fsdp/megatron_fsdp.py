@@ -464,7 +464,7 @@ class MegatronFSDP(nn.Module):
         ``"shard"`` the user's shard of replicated weights (ZeRO-1/2) must reach the
         other ranks; ``None`` the compute weights are what the user edits."""
         if group.hfsdp and group.strategy.shards_optimizer:
-            return None  # the optimizer piece is gathered from the outer group after each step
+            return "piece"  # the model-weight shard is gathered from the outer group's pieces
         if group.main_weights is not None:
             return "main"
         if group.strategy in (ShardingStrategy.OPTIM, ShardingStrategy.OPTIM_GRADS) and group.layout.world_size > 1:
@@ -488,6 +488,10 @@ class MegatronFSDP(nn.Module):
         host sync for all groups, not one per group)."""
         kind = self._edit_kind(group)
         model, main = group.model_weights, group.main_weights
+        if kind == "piece":
+            numel = main.data.numel()
+            mine = model.data[group.dp.outer_rank * numel : (group.dp.outer_rank + 1) * numel]
+            return (mine != main.data.to(mine.dtype)).any()
         if kind == "main":
             mine, source = (model.shard, main.shard) if group.strategy.shards_optimizer else (model.data, main.data)
             return (mine != source.to(mine.dtype)).any()
@@ -507,16 +511,27 @@ class MegatronFSDP(nn.Module):
         if not groups:
             return
         flags = torch.stack([self._edited(g) for g in groups]).float()
+        # Decisions that lead to collectives must be the same on every rank.
+        dp = self.dist_index.groups_for(False)
         if any(g.strategy in (ShardingStrategy.OPTIM, ShardingStrategy.OPTIM_GRADS) and g.layout.world_size > 1
                for g in groups):
-            collectives.control_all_reduce(flags, self.dist_index.groups_for(False).shard_group,
-                                           op=dist.ReduceOp.MAX, label="weight_edits",
+            collectives.control_all_reduce(flags, dp.shard_group, op=dist.ReduceOp.MAX, label="weight_edits",
                                            timeout=self.grad_reduce_pipeline.timeout)
+        if any(self._edit_kind(g) == "piece" for g in groups):
+            for pg in (dp.shard_group, dp.outer_group):
+                if pg is not None and dist.get_world_size(pg) > 1:
+                    collectives.control_all_reduce(flags, pg, op=dist.ReduceOp.MAX, label="weight_edits",
+                                                   timeout=self.grad_reduce_pipeline.timeout)
         edited = [g for g, flag in zip(groups, flags.tolist()) if flag]
         if not edited:
             return
         self.all_gather_pipeline.wait(edited)
+        pieces = [g for g in edited if self._edit_kind(g) == "piece"]
+        if pieces:
+            self.all_gather_pipeline.gather_outer(pieces)
         for group in edited:
+            if group in pieces:
+                continue
             if group.main_weights is not None and group.strategy.shards_optimizer:
                 group.model_weights.shard.copy_(group.main_weights.shard)
             elif group.main_weights is not None:

@@ -12,9 +12,13 @@ and released), and a unit's gradients are reduced when the walk moves past it,
 never in between. Whatever each rank's graph did, the sequence of collectives is
 a function of the agreed order alone.
 
-The order starts as module order; after the first training forward, rank 0's
-observed order (units it did not run inserted after their module-order
-predecessor) is broadcast and used by every rank from then on.
+Two orders are kept: the order in which units *start* their forward (the forward
+walk) and the order in which they *finish* it, whose reverse is the order their
+backward starts (the backward walk): with nested units a parent starts before its
+children but finishes after them. Both start from the module structure; after
+the first training forward, rank 0's observed orders (units it did not run
+inserted after their predecessor in module order) are broadcast and used by every
+rank from then on.
 """
 
 from __future__ import annotations
@@ -67,43 +71,60 @@ class UnitWalk(Generic[U]):
 
 
 class UnitSchedule(Generic[U]):
-    def __init__(self, units: Iterable[U]) -> None:
+    def __init__(self, units: Iterable[U], finish_order: Optional[list[U]] = None) -> None:
+        """``finish_order``: the units in the order their forwards finish (default:
+        as they start, i.e. no nesting)."""
         self.order: list[U] = list(units)
+        self.finish_order: list[U] = list(finish_order) if finish_order is not None else list(self.order)
         self.final = False
-        self._observed: list[U] = []
+        self._observed: tuple[list[U], list[U]] = ([], [])
 
-    def observe(self, unit: U) -> None:
-        """A unit this rank really ran, during the first training forward."""
-        if not self.final and unit not in self._observed:
-            self._observed.append(unit)
+    def observe(self, unit: U, *, finished: bool = False) -> None:
+        """A unit this rank really ran (``finished``: its forward ended), during the
+        first training forward."""
+        seen = self._observed[1 if finished else 0]
+        if not self.final and unit not in seen:
+            seen.append(unit)
 
     def agree(self, group: Optional[dist.ProcessGroup]) -> None:
-        """Adopt rank 0's observed order (collective over ``group``; once)."""
+        """Adopt rank 0's observed orders (collective over ``group``; once)."""
         if self.final:
             return
         self.final = True
-        index = {unit: i for i, unit in enumerate(self.order)}
-        message = [[index[u] for u in self._observed]]
+        start_index = {unit: i for i, unit in enumerate(self.order)}
+        finish_index = {unit: i for i, unit in enumerate(self.finish_order)}
+        message = [[[start_index[u] for u in self._observed[0]], [finish_index[u] for u in self._observed[1]]]]
         if group is not None and dist.get_world_size(group) > 1:
             dist.broadcast_object_list(message, group=group, group_src=0)
-        self.order = [self.order[i] for i in merge_order(message[0], len(self.order))]
-        self._observed = []
+        starts, finishes = message[0]
+        self.order = [self.order[i] for i in merge_order(starts, len(self.order))]
+        self.finish_order = [self.finish_order[i] for i in merge_order(finishes, len(self.finish_order))]
+        self._observed = ([], [])
 
     def forward_walk(self) -> UnitWalk[U]:
         return UnitWalk(self.order)
 
     def backward_walk(self) -> UnitWalk[U]:
-        return UnitWalk(self.order[::-1])
+        return UnitWalk(self.finish_order[::-1])
 
     def neighbours(self, unit: U, step: int, depth: int) -> list[U]:
-        """Up to ``depth`` units after (step=1) or before (step=-1) ``unit``: the prefetch targets."""
-        if unit not in self.order:
+        """Up to ``depth`` units after ``unit`` in the forward walk (step=1) or in the
+        backward walk (step=-1): the prefetch targets."""
+        walk = self.order if step > 0 else self.finish_order[::-1]
+        if unit not in walk:
             return []
-        position = self.order.index(unit)
-        out = []
-        for distance in range(1, depth + 1):
-            target = position + step * distance
-            if not 0 <= target < len(self.order):
-                break
-            out.append(self.order[target])
-        return out
+        position = walk.index(unit)
+        return walk[position + 1 : position + 1 + depth]
+
+
+def finish_order(units: list[U], contains) -> list[U]:
+    """Units (in start order) in the order their forwards finish, given
+    ``contains(a, b)``: unit ``b`` runs inside unit ``a``."""
+    out: list[U] = []
+    stack: list[U] = []
+    for unit in units:
+        while stack and not contains(stack[-1], unit):
+            out.append(stack.pop())
+        stack.append(unit)
+    out.extend(reversed(stack))
+    return out
