@@ -442,12 +442,19 @@ class GradReducePipeline:
         for group in self.groups:
             by_dp.setdefault((id(group.dp.shard_group), id(group.dp.outer_group)), []).append(group)
         for groups in by_dp.values():
-            flags = torch.cat([self._state[g].used for g in groups]).to(groups[0].main_grads.device)
+            local = torch.cat([self._state[g].used for g in groups])  # host flags: reading them costs nothing
+            device = groups[0].main_grads.device
+            # A rank that used every item knows the MAX already (all used): it still
+            # joins the all-reduce for the ranks that need it, but never reads the
+            # result back, so the common step has no host sync on CUDA.
+            used_all = bool(local.all())
+            flags = torch.ones(local.numel(), dtype=local.dtype, device=device) if used_all else local.to(device)
             dp = groups[0].dp
             for pg in (dp.shard_group, dp.outer_group):
                 if pg is not None and dist.get_world_size(pg) > 1:
                     collectives.control_all_reduce(flags, pg, op=dist.ReduceOp.MAX, label="grad_presence", timeout=self.timeout)
-            for g, piece in zip(groups, flags.cpu().split([len(g.params) for g in groups])):
+            result = local if used_all else flags.cpu()
+            for g, piece in zip(groups, result.split([len(g.params) for g in groups])):
                 self.global_used[g] = piece.bool()
 
     @torch.no_grad()
