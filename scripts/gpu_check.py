@@ -174,6 +174,10 @@ def _as_module(state: dict, device: torch.device) -> torch.nn.Module:
 
 
 def check_memory(device: torch.device) -> dict:
+    """After a meta-init wrap the device holds exactly the package's buffers; after
+    ``fully_shard_optimizer`` also the optimizer state, which it creates at once."""
+    from torch.distributed.tensor import DTensor
+
     rows, ok = [], True
     for strategy in STRATEGIES:
         for double_buffer in (False, True):
@@ -182,14 +186,20 @@ def check_memory(device: torch.device) -> dict:
             before = device_mod.memory_allocated(device)
             with torch.device("meta"):
                 module = build(SMALL, "meta")
-            model, opt = wrap(module, device, strategy, init_model_with_meta_device=True, fsdp_double_buffer=double_buffer)
+            model = mf.fully_shard_model(module, fsdp_unit_modules=[TransformerBlock], zero_dp_strategy=strategy,
+                                         device=device, init_model_with_meta_device=True, fsdp_double_buffer=double_buffer)
             acc = model.buffer_accounting
-            held = device_mod.memory_allocated(device) - before
-            expected = acc.total_persistent + acc.temporary
-            rel = abs(held - expected) / max(expected, 1)
+            buffers = acc.total_persistent + acc.temporary
+            wrapped = device_mod.memory_allocated(device) - before
+            opt = mf.fully_shard_optimizer(adamw(model.parameters()))
+            local = [v.to_local() if isinstance(v, DTensor) else v for st in opt.state.values() for v in st.values()]
+            state = sum(t.numel() * t.element_size() for t in local if isinstance(t, torch.Tensor) and t.device == device)
+            with_optimizer = device_mod.memory_allocated(device) - before
+            rel = max(abs(wrapped - buffers) / max(buffers, 1), abs(with_optimizer - buffers - state) / max(buffers + state, 1))
             ok &= rel <= 0.01 or device.type != "cuda"  # memory_allocated() is 0 on the CPU
-            rows.append(dict(strategy=strategy, double_buffer=double_buffer, allocated=held, accounted=expected, rel_error=rel))
-            release(model, opt, module)
+            rows.append(dict(strategy=strategy, double_buffer=double_buffer, allocated_after_wrap=wrapped, buffers=buffers,
+                             allocated_with_optimizer=with_optimizer, optimizer_state=state, rel_error=rel))
+            del model, opt, module, local
     return dict(rows=rows, tolerance=0.01, passed=ok if device.type == "cuda" else None)
 
 
