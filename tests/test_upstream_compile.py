@@ -5,6 +5,7 @@ main weights in ``parameters()``: not done yet (xfail below)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
@@ -23,6 +24,10 @@ COMPILE_TIMEOUT_S = 900
 def _inductor_missing() -> str:
     if shutil.which("g++") is None and shutil.which("c++") is None:
         return "torch.compile's inductor backend needs a C++ compiler (g++), which is not installed"
+    if os.environ.get("MFSDP_COMPILE_TESTS") != "1":
+        # With a cold inductor cache, compiling in two gloo workers on 2 cores takes
+        # over 8 minutes: more than the whole suite's budget. A campaign, not CI.
+        return "set MFSDP_COMPILE_TESTS=1 (inductor compiles for minutes on a cold cache)"
     return ""
 
 
