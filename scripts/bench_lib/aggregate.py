@@ -62,13 +62,9 @@ def comm_record(cells: list[Cell], spec: ImplSpec, counts: ParamCounts, elem: in
     textbook = textbook_comm_bytes(spec, counts, elem)
     per_kind = {}
 
-    def control(cell: Cell, kind: str, what: str) -> float:
-        """megatron_fsdp's flag all-reduces, which the bench's counter counts as all-reduces."""
-        return cell.ranks[0].get(f"package_control_{what}", 0) if kind == "all_reduce" else 0
-
     for kind in KINDS:
-        per_round = [(c.ranks[0]["comm"]["bytes"][kind] - control(c, kind, "bytes")) / steps for c in cells]
-        calls = [(c.ranks[0]["comm"]["counts"][kind] - control(c, kind, "calls")) / steps for c in cells]
+        per_round = [c.ranks[0]["comm"]["bytes"][kind] / steps for c in cells]
+        calls = [c.ranks[0]["comm"]["counts"][kind] / steps for c in cells]
         disagree = [c.round for c in cells if len({r["comm"]["bytes"][kind] for r in c.ranks}) > 1]
         if disagree:
             logger.warning("%s: ranks moved different %s bytes in rounds %s", spec.name, kind, disagree)
@@ -89,9 +85,10 @@ def comm_record(cells: list[Cell], spec: ImplSpec, counts: ParamCounts, elem: in
         "per_kind": per_kind,
         "total_bytes_per_step": sum(v["bytes_per_step"] for v in per_kind.values()),
         "total_minimum": sum(minimum.values()),
-        "control_bytes_per_step": cells[-1].ranks[0]["comm"]["control_bytes"] / steps,
+        # megatron_fsdp's flag all-reduces (gradient presence, weight edits): the
+        # counter keeps them apart from the data collectives, as the package does.
+        "control_bytes_per_step": max(c.ranks[0]["comm"]["control_bytes"] for c in cells) / steps,
         "package_recorder_bytes_per_step": package,
-        "control_bytes_per_step": max(control(c, "all_reduce", "bytes") for c in cells) / steps,
         "ddp_bucket_numel_per_step": bucket_numel,
         "cross_check": _cross_check(spec, per_kind, package, bucket_numel, elem),
     }

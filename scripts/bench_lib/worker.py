@@ -108,10 +108,6 @@ class WorkerSession:
             "losses": losses,
             "comm": self.counter.snapshot(),
             "package_bytes": dict(package.bytes),
-            # Flag all-reduces (gradient presence, weight edits) the bench's counter sees
-            # as all-reduces: reported apart from the data collectives.
-            "package_control_bytes": package.control_bytes,
-            "package_control_calls": sum(package.control.values()),
             "memory": self.trainer.memory(),
             "rss_before": rss_before,
             "rss_after": rss_after,
