@@ -14,7 +14,7 @@ fi
 "$PY" -m pip install -q "pytest>=7" pyyaml matplotlib
 # Optional dashboards extra: TensorBoard events for --tensorboard-dir (tensorboard does
 # not depend on torch, so this never replaces the installed torch).
-"$PY" -m pip install -q tensorboard
+"$PY" -m pip install -q tensorboard || echo "setup_env: WARNING: could not install tensorboard (optional)" >&2
 if [ -f scripts/setup_megatron_core.sh ]; then
   bash scripts/setup_megatron_core.sh
 fi
