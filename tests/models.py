@@ -26,6 +26,26 @@ class Block(nn.Module):
         return x + self.fc2(torch.tanh(self.fc1(self.norm(x))))
 
 
+class SkipNet(nn.Module):
+    """Net with blocks a step may skip (``skip``: block indices, or a function of the
+    rank) and a head no forward ever uses."""
+
+    def __init__(self, d: int = 7, depth: int = 3) -> None:
+        super().__init__()
+        self.inp = nn.Linear(IN, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(depth))
+        self.unused = nn.Linear(d, OUT)
+        self.out = nn.Linear(d, OUT)
+        self.skip: set[int] = set()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for i, block in enumerate(self.blocks):
+            if i not in self.skip:
+                h = block(h)
+        return self.out(h)
+
+
 class Net(nn.Module):
     def __init__(self, d: int = 7, depth: int = 3, recompute: bool = False) -> None:
         super().__init__()

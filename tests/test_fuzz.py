@@ -21,7 +21,7 @@ import torch.nn as nn
 
 import megatron_fsdp as mf
 from megatron_fsdp.distributed_index import build_hybrid_mesh
-from models import IN, OUT, Block, loss_fn, make_batches
+from models import Block, SkipNet, loss_fn, make_batches
 
 DRAWS = int(os.environ.get("MFSDP_FUZZ_DRAWS", "30"))
 SEED = int(os.environ.get("MFSDP_FUZZ_SEED", "0"))
@@ -29,25 +29,6 @@ LR = 0.05
 STEPS = 3
 PATTERNS = ["plain", "freeze_unfreeze", "skip_block", "rank_skip", "plain_accumulation", "closure", "scheduler",
             "inplace_edit"]
-
-
-class FuzzNet(nn.Module):
-    """The tests' Net, plus a head no forward uses and blocks a step may skip."""
-
-    def __init__(self, d: int = 7, depth: int = 3) -> None:
-        super().__init__()
-        self.inp = nn.Linear(IN, d)
-        self.blocks = nn.ModuleList(Block(d) for _ in range(depth))
-        self.unused = nn.Linear(d, OUT)
-        self.out = nn.Linear(d, OUT)
-        self.skip: set = set()
-
-    def forward(self, x):
-        h = self.inp(x)
-        for i, block in enumerate(self.blocks):
-            if i not in self.skip:
-                h = block(h)
-        return self.out(h)
 
 
 def _skip(pattern: str, step: int, rank: int) -> set:
@@ -197,13 +178,13 @@ def _tolerance(cfg) -> float:
 
 def fuzz_worker(rank, world, *, cfg):
     torch.manual_seed(0)
-    base = FuzzNet()
+    base = SkipNet()
     batches = make_batches("net", STEPS, batch=2 * world * cfg["microbatches"])
     try:
         if cfg["meta_init"]:
             torch.manual_seed(0)
             with torch.device("meta"):
-                module = FuzzNet()
+                module = SkipNet()
         else:
             module = copy.deepcopy(base)
         module = module.to(DTYPES[cfg["compute"]])

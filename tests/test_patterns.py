@@ -13,33 +13,12 @@ import copy
 
 import pytest
 import torch
-import torch.nn as nn
 
 import megatron_fsdp as mf
-from models import IN, OUT, Block, loss_fn, make_batches
+from models import Block, SkipNet, loss_fn, make_batches
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 TOL = 1e-5
-
-
-class SkipNet(nn.Module):
-    """Net with blocks a step may skip (``skip``: block indices, or a function of the
-    rank) and a head no forward ever uses."""
-
-    def __init__(self, d: int = 7, depth: int = 3) -> None:
-        super().__init__()
-        self.inp = nn.Linear(IN, d)
-        self.blocks = nn.ModuleList(Block(d) for _ in range(depth))
-        self.unused = nn.Linear(d, OUT)
-        self.out = nn.Linear(d, OUT)
-        self.skip: set[int] = set()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.inp(x)
-        for i, block in enumerate(self.blocks):
-            if i not in self.skip:
-                h = block(h)
-        return self.out(h)
 
 
 def _optimizer(name: str, params):
