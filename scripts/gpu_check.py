@@ -85,8 +85,8 @@ def max_diff(full: dict, reference: torch.nn.Module) -> float:
     return max((full[k].float().cpu() - ref[k].float().cpu()).abs().max().item() for k in full)
 
 
-def release(*objs) -> None:
-    del objs
+def collect() -> None:
+    """Free what the caller has just ``del``-ed (reference cycles included)."""
     gc.collect()
 
 
@@ -107,7 +107,8 @@ def check_parity(device: torch.device) -> dict:
                 model.finish_param_sync()
                 worst = max(worst, diff)
                 rows.append(dict(strategy=strategy, meta_init=meta, double_buffer=double_buffer, max_abs_diff=diff))
-                release(model, opt, ref, module)
+                del model, opt, ref, module
+                collect()
     return dict(rows=rows, worst=worst, tolerance=1e-5, passed=worst <= 1e-5)
 
 
@@ -139,7 +140,8 @@ def check_bf16(device: torch.device) -> dict:
         model.finish_param_sync()
         worst = max(worst, diff)
         rows.append(dict(strategy=strategy, max_abs_diff_main_weights=diff))
-        release(model, opt, module)
+        del model, opt, module
+        collect()
     # bf16 rounding of a compute weight is 2^-8 relative; weights here are O(0.1).
     return dict(rows=rows, worst=worst, tolerance=2e-3, passed=worst <= 2e-3)
 
@@ -163,7 +165,8 @@ def check_checkpoint(device: torch.device, out: Path) -> dict:
         rows.append(dict(strategy=strategy, losses_equal=resumed == straight, max_abs_diff=diff))
         for m in (model, fresh):
             m.finish_param_sync()
-        release(model, opt, fresh, fresh_opt)
+        del model, opt, fresh, fresh_opt
+        collect()
     return dict(rows=rows, passed=ok)
 
 
@@ -221,7 +224,8 @@ def check_host_syncs(device: torch.device) -> dict:
                 sites.update(counter.sites)
             model.finish_param_sync()
             rows.append(dict(strategy=strategy, nan_check=nan_check, syncs_per_step=per_step, sites=sorted(sites)[:20]))
-            release(model, opt)
+            del model, opt
+            collect()
     goal = all(max(r["syncs_per_step"]) <= (1 if r["nan_check"] else 0) for r in rows)
     return dict(rows=rows, goal="0 without NaN checks, 1 with", passed=goal)
 
@@ -253,7 +257,8 @@ def _time_impl(name: str, cfg: dict, device: torch.device, data, steps: int, war
     elapsed = (time.perf_counter() - start) / steps
     if hasattr(model, "finish_param_sync"):
         model.finish_param_sync()
-    release(model, opt)
+    del model, opt
+    collect()
     device_mod.empty_cache(device)
     return elapsed
 
@@ -281,7 +286,8 @@ def check_step_profile(device: torch.device, out: Path) -> dict:
         )
         if hasattr(model, "finish_param_sync"):
             model.finish_param_sync()
-        release(model, opt)
+        del model, opt
+        collect()
         device_mod.empty_cache(device)
     return dict(rows=rows, passed=None)
 
@@ -351,7 +357,8 @@ def fake_world_main(world: int, device_type: str) -> None:
         rows.append(dict(strategy=strategy, persistent=persistent, expected_weight_bytes=expected_weights,
                          allocated=device_mod.memory_allocated(device) - before))
         model.finish_param_sync()
-        release(model, opt, module)
+        del model, opt, module
+        collect()
     print(json.dumps(dict(world=world, rows=rows, passed=ok)))
 
 
