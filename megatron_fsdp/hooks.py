@@ -105,6 +105,8 @@ class HookRuntime:
         self._backward_walk = self.schedule.backward_walk()
         self._unrequested: list[FSDPUnit] = []
         """Units the backward walk passed whose gradients are not yet requested."""
+        self._open: list[FSDPUnit] = []
+        """Units whose forward started and whose last module has not run yet."""
         # [Note: one unit sequence on every rank] With gathers in backward (ZeRO-3),
         # reductions wait for the walk to move past their unit.
         self.reduce_at_boundaries = any(g.strategy.shards_params and g.model_weights.is_distributed for g in buffer.groups)
@@ -157,6 +159,7 @@ class HookRuntime:
             # One round trip for the root's groups and the first unit: each blocking
             # gather would otherwise wait out the ranks' skew and latency in turn.
             self._forward_walk = self.schedule.forward_walk()
+            self._open = []
             self.all_gather.unshard(self.root_groups, async_op=True)
             if self.prefetch_depth and self.schedule.order:
                 self.all_gather.unshard(self.schedule.order[0].groups, async_op=True)
@@ -164,6 +167,7 @@ class HookRuntime:
 
     @_eager
     def root_post_forward(self, output: Any) -> Any:
+        self._close_open_units(None)
         for unit in self._forward_walk.remaining():
             self._visit_skipped_forward(unit)
         # The first training forward fixes the unit order used by every rank.
@@ -194,11 +198,14 @@ class HookRuntime:
     def pre_forward(self, unit: FSDPUnit) -> None:
         if unit.state is TrainingState.PRE_BACKWARD:
             return  # recompute inside backward: already gathered
+        self._close_open_units(unit)
         for skipped in self._forward_walk.catch_up(unit):
             self._visit_skipped_forward(skipped)
         if torch.is_grad_enabled():
             self.schedule.observe(unit)
         unit.state = TrainingState.FORWARD
+        if unit not in self._open:
+            self._open.append(unit)
         with record_function(f"megatron_fsdp::unshard:{unit.name}"):
             self.all_gather.unshard_and_wait(unit.groups)
             self._prefetch(unit, step=1)
@@ -227,9 +234,7 @@ class HookRuntime:
         training = torch.is_grad_enabled()
         keep = not last or self._keep_gathered(unit)
         if last:
-            unit.state = TrainingState.IDLE
-            if training:
-                self.schedule.observe(unit, finished=True)
+            self._finish_forward(unit, training)
         if not keep:
             with record_function(f"megatron_fsdp::reshard:{unit.name}"):
                 self.all_gather.reshard(unit.groups)
@@ -237,6 +242,27 @@ class HookRuntime:
         if tensors:
             register_multi_grad_hook(tensors, lambda grads: self.pre_backward(unit), mode="any")
         return output
+
+    def _finish_forward(self, unit: FSDPUnit, training: bool) -> None:
+        unit.state = TrainingState.IDLE
+        if unit in self._open:
+            self._open.remove(unit)
+        if training:
+            self.schedule.observe(unit, finished=True)
+
+    def _close_open_units(self, current: Optional[FSDPUnit]) -> None:
+        """[Note: one unit sequence on every rank] A merged unit whose last module
+        this rank skipped never saw its closing post-forward: it would stay gathered,
+        and its backward would issue no all-gather where the other ranks issue one.
+        When the forward moves on to a unit that is not inside it (or ends), close it
+        as its last module would have."""
+        training = torch.is_grad_enabled()
+        for unit in list(self._open):
+            if unit is current or (current is not None and _contains(unit, current)):
+                continue
+            self._finish_forward(unit, training)
+            if not self._keep_gathered(unit):
+                self.all_gather.reshard(unit.groups)
 
     @_eager
     def pre_backward(self, unit: FSDPUnit) -> None:

@@ -82,3 +82,49 @@ def test_no_shard_units_merge_by_default_and_need_no_hooks(pool2):
     assert counts == {"all_reduce": 2}  # the blocks, and the root modules
     counts, units, _ = pool2.run(count_worker, strategy="no_shard", suggested=300)[0]
     assert units == 3 and counts == {"all_reduce": 4}
+
+
+def merged_skip_worker(rank, world, *, strategy, double_buffer):
+    """Rank-dependent layer drop over merged units (blocks 0+1 one unit, block 2
+    alone): rank r skips block (r + step) % 4, so on some ranks a merged unit's
+    last module never runs (its closing post-forward never fires)."""
+    import copy
+
+    from models import SkipNet
+
+    torch.manual_seed(0)
+    base = SkipNet()
+    reference = copy.deepcopy(base)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    fsdp, opt = mf.fully_shard(base, lambda p: torch.optim.SGD(p, lr=0.1), fsdp_unit_modules=[Block],
+                               zero_dp_strategy=strategy, suggested_communication_unit_size=600,
+                               fsdp_double_buffer=double_buffer)
+    assert len(fsdp.units) == 2
+    sequences = []
+    for step, (x, y) in enumerate(make_batches("net", 4, batch=2 * world)):
+        ref_opt.zero_grad()
+        total = 0.0
+        for r, (xr, yr) in enumerate(zip(x.chunk(world), y.chunk(world))):
+            reference.skip = {(r + step) % 4}
+            total = total + loss_fn("net", reference(xr), yr)
+        (total / world).backward()
+        ref_opt.step()
+        with mf.record_collectives() as rec:
+            opt.zero_grad()
+            fsdp.module.skip = {(rank + step) % 4}
+            loss_fn("net", fsdp(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+            opt.step()
+            fsdp.finish_param_sync()
+        sequences.append(dict(rec.counts))
+    full = mf.get_full_state_dict(fsdp)
+    diff = max((full[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters())
+    return diff, sequences
+
+
+@pytest.mark.parametrize("double_buffer", [False, True])
+@pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads", "optim_grads_params"])
+def test_rank_dependent_skip_over_merged_units(pool, strategy, double_buffer):
+    results = pool.run(merged_skip_worker, strategy=strategy, double_buffer=double_buffer)
+    assert all(diff < 1e-5 for diff, _ in results), [d for d, _ in results]
+    # Every rank issued the same collectives whatever it skipped.
+    assert all(seq == results[0][1] for _, seq in results)
