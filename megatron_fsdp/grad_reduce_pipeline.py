@@ -120,6 +120,8 @@ class GradReducePipeline:
             if g.requires_grad:
                 self.add_group(g)
         self._pending: list[_Pending] = []
+        self._outer_pending: dict[ParameterGroup, collectives.Handle] = {}
+        """Outer (HSDP/HFSDP) collectives in flight, per group: see reduce_outer."""
         self._views: dict[nn.Parameter, torch.Tensor] = {}
         self.nonfinite = NonFiniteGradTracker()
         """check_for_nan: flags noted on the device per reduction, read once per step."""
@@ -213,7 +215,7 @@ class GradReducePipeline:
                 continue
             if not state.requested:
                 return  # a group earlier in the order is not ready: keep the order
-            self._launch(group)
+            self._launch(group, outer=sync)
 
     def reduce_remaining(self, *, sync: bool) -> None:
         """End of backward: every group taking part that was not reduced yet, in order
@@ -230,11 +232,12 @@ class GradReducePipeline:
             state = self._state[group]
             if group.strategy.shards_grads:
                 if state.bucket is not None:
-                    self._launch(group)
+                    self._launch(group, outer=True)
             elif state.reductions_since_zero == 0:
-                self._launch(group)
+                self._launch(group, outer=True)
 
-    def _launch(self, group: ParameterGroup, async_op: Optional[bool] = None) -> None:
+    def _launch(self, group: ParameterGroup, async_op: Optional[bool] = None, *, outer: bool) -> None:
+        """``outer``: a syncing reduction, followed by the group's outer one (if any)."""
         state = self._state[group]
         state.launched = True
         state.reductions_since_zero += 1
@@ -288,7 +291,7 @@ class GradReducePipeline:
             work = collectives.reduce_scatter(
                 output, source, group.dp.shard_group, op=op, async_op=async_op, label=group.label, timeout=self.timeout
             )
-        finalize = self._finalizer(group, output, temps)
+        finalize = self._finalizer(group, output, temps, outer=outer and group.dp.outer_group is not None)
         if async_op:
             self._pending.append(_Pending(group, work, finalize, holds_memory=bool(temps)))
             self._retire(keep=self.options.max_inflight)
@@ -334,6 +337,7 @@ class GradReducePipeline:
     def _wait_group(self, group: ParameterGroup) -> None:
         if any(p.group is group for p in self._pending):
             self.wait_all()
+        self._wait_outer(group)
 
     def _retire(self, *, keep: int) -> None:
         """Finalise finished reductions in order; block on the oldest while more than
@@ -349,7 +353,9 @@ class GradReducePipeline:
                 head.work.wait()
             head.finalize()
 
-    def _finalizer(self, group: ParameterGroup, output: torch.Tensor, temps: list[torch.Tensor]) -> Callable[[], None]:
+    def _finalizer(
+        self, group: ParameterGroup, output: torch.Tensor, temps: list[torch.Tensor], *, outer: bool
+    ) -> Callable[[], None]:
         main = group.main_grads
         strategy = group.strategy
 
@@ -367,6 +373,8 @@ class GradReducePipeline:
                     main.shard.copy_(output)  # copy, never +=: the source already held this gradient
             for temp in temps:
                 self.allocator.release(temp)
+            if outer:
+                self._launch_outer(group)
 
         return finalize
 
@@ -383,32 +391,44 @@ class GradReducePipeline:
     def reduce_outer(self) -> None:
         """HSDP/HFSDP: combine the dp-shard-reduced gradients across the outer group,
         once per optimization step (after the last microbatch): all-reduce of the
-        shard (HSDP) or reduce-scatter of it into this rank's optimizer piece (HFSDP)."""
+        shard (HSDP) or reduce-scatter of it into this rank's optimizer piece (HFSDP).
+        [Note: overlapped outer reduction] Most groups' outer collectives were already
+        launched during backward; this launches the rest and waits for all."""
         if self._outer_reduced:
             return
         self._outer_reduced = True
-        works = []
         for group in self.groups:
-            outer = group.dp.outer_group
-            if outer is None:
-                continue
-            self.rebase(group) if group.strategy.shards_grads else None
-            self._state[group].outer_reduced = True
-            main = group.main_grads
-            label = f"outer:{group.label}"
-            if group.hfsdp and group.strategy.shards_optimizer:
-                piece = main.data.numel() // group.dp.outer_size
-                output = main.data[group.dp.outer_rank * piece : (group.dp.outer_rank + 1) * piece]
-                works.append(collectives.reduce_scatter(
-                    output, main.data, outer, op=self._op(), async_op=True, label=label, timeout=self.timeout
-                ))
-            else:
-                target = main.data if group.strategy is ShardingStrategy.NO_SHARD else main.shard
-                works.append(collectives.all_reduce(
-                    target, outer, op=self._op(), async_op=True, label=label, timeout=self.timeout
-                ))
-        for work in works:
-            work.wait()
+            if group.dp.outer_group is not None and not self._state[group].outer_reduced:
+                self._launch_outer(group)
+        self._wait_outer()
+
+    def _launch_outer(self, group: ParameterGroup) -> None:
+        """[Note: overlapped outer reduction] The outer collective of one group, issued
+        as soon as its shard-level reduction of a syncing backward is finalised, so it
+        runs on the outer process group while backward goes on (FSDP2 and upstream do
+        the same). Groups finalise in the fixed reduction order, so every rank issues
+        the outer collectives in one order too."""
+        # Every inner reduction rebased the group first, so no outer-reduced value is
+        # left in it (``outer_reduced`` is False here).
+        self._state[group].outer_reduced = True
+        main, outer = group.main_grads, group.dp.outer_group
+        label = f"outer:{group.label}"
+        if group.hfsdp and group.strategy.shards_optimizer:
+            piece = main.data.numel() // group.dp.outer_size
+            output = main.data[group.dp.outer_rank * piece : (group.dp.outer_rank + 1) * piece]
+            work = collectives.reduce_scatter(
+                output, main.data, outer, op=self._op(), async_op=True, label=label, timeout=self.timeout
+            )
+        else:
+            target = main.data if group.strategy is ShardingStrategy.NO_SHARD else main.shard
+            work = collectives.all_reduce(target, outer, op=self._op(), async_op=True, label=label, timeout=self.timeout)
+        self._outer_pending[group] = work
+
+    def _wait_outer(self, group: Optional[ParameterGroup] = None) -> None:
+        for g in [group] if group is not None else list(self._outer_pending):
+            work = self._outer_pending.pop(g, None)
+            if work is not None:
+                work.wait()
 
     # -- step boundaries ---------------------------------------------------------
     def wait_all(self) -> None:
@@ -417,6 +437,7 @@ class GradReducePipeline:
             if item.work is not None:
                 item.work.wait()
             item.finalize()
+        self._wait_outer()
 
     def raise_if_nonfinite(self) -> None:
         """check_for_nan: once per step, after every reduction (see nan_check)."""

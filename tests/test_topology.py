@@ -95,6 +95,31 @@ def test_outer_reduction_once_per_step(pool4, strategy, outer):
             assert outer_ops == ["all_reduce"] * groups
 
 
+def outer_overlap_worker(rank, world, *, strategy, outer):
+    model, opt = _hybrid(strategy, outer, overlap_grad_reduce=True)
+    batches = make_batches("net", 2, batch=4 * world)
+    _train(model, opt, batches[:1], rank, world)
+    opt.zero_grad()
+    x, y = batches[1]
+    with mf.record_collectives() as rec:
+        backward_microbatches(model, x, y, rank, world, 1)
+    labels = [label for kind, label in rec.labels if kind != "all_gather"]
+    first_outer = min(i for i, label in enumerate(labels) if label.startswith("outer:"))
+    last_inner = max(i for i, label in enumerate(labels) if not label.startswith("outer:"))
+    return first_outer < last_inner
+
+
+@pytest.mark.parametrize("strategy,outer", [(3, "no_shard"), (3, "optim"), (2, "no_shard")])
+def test_outer_reduction_overlaps_backward(pool4, strategy, outer):
+    """[Note: overlapped outer reduction] The first group's outer collective is issued
+    while other groups' shard-level reductions are still to come, not after backward
+    (parity of these configurations: test_hybrid_parity). ZeRO-2/3 bound the
+    reductions in flight, so the first one is finalised (and its outer collective
+    issued) when the second is launched; ZeRO-0/1 reduce in place and finalise when
+    their completion is seen, which on gloo may be only at the end."""
+    assert all(pool4.run(outer_overlap_worker, strategy=strategy, outer=outer))
+
+
 def hybrid_checkpoint_save(rank, world, *, path, outer):
     model, opt = _hybrid(3, outer, "adamw")
     _train(model, opt, make_batches("net", 4, batch=8)[:2], rank, world)
