@@ -25,11 +25,10 @@ import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.utils._pytree import tree_map
-from torch.distributed.tensor import DTensor
 
-from .megatron_fsdp import MegatronFSDP, owner_of
 from .optimizer import init_optimizer_state
-from .state_dict import StateDictMismatchError, checkpointable, clone_for_load
+from .optimizer_state_dict import indexed_params
+from .state_dict import StateDictMismatchError, clone_for_load
 
 logger = logging.getLogger(__name__)
 
@@ -47,39 +46,7 @@ class CheckpointWriteError(RuntimeError):
     """Writing a checkpoint failed (a peer died, the disk filled); nothing was published."""
 
 
-# -- optimizer state dicts ------------------------------------------------------------
-def _indexed_params(optimizer: torch.optim.Optimizer) -> dict[int, torch.Tensor]:
-    """Index -> parameter as ``Optimizer.state_dict`` numbers them (first appearance)."""
-    seen: dict[int, int] = {}
-    out: dict[int, torch.Tensor] = {}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if id(p) not in seen:
-                seen[id(p)] = len(seen)
-                out[seen[id(p)]] = p
-    return out
-
-
-def preprocess_optimizer_state_dict(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
-    """``Optimizer.state_dict`` post-hook: sharded state DTensors carrying DCP chunk metadata."""
-    params = _indexed_params(optimizer)
-    states = state_dict.get("state", {})
-    for index in list(states):
-        param = params.get(index)
-        model = owner_of(param) if param is not None else None
-        if model is None:
-            continue
-        # Optimizer.state_dict() hands out the live per-parameter dicts: rewrap a copy.
-        param_state = states[index] = dict(states[index])
-        buffer = model.param_and_grad_buffer
-        group, item = buffer.dist_slot(param)
-        start = buffer.local_flat_start(param)
-        for key, value in param_state.items():
-            if isinstance(value, DTensor) and value.shape == param.shape:
-                param_state[key] = checkpointable(value, group.params[item], start)
-    return state_dict
-
-
+# -- optimizer state ----------------------------------------------------------------
 def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """Create the optimizer's state tensors (as its first step would, without taking
     one: no parameter and no existing state changes), so that a checkpoint can be
@@ -261,14 +228,15 @@ def load_checkpoint(
     _validate_model_keys(model.state_dict(), metadata)
     created: list[torch.Tensor] = []
     try:
-        state: dict[str, Any] = {"model": model.state_dict()}
+        # Host copies, one state dict at a time: the device holds the live state
+        # plus one state dict's transient standard pieces, never a second copy of both.
+        state: dict[str, Any] = {"model": tree_map(clone_for_load, model.state_dict())}
         absent: list[int] = []
         if optimizer is not None:
             if any(k.startswith("optimizer.state.") for k in metadata):
                 created = materialize_optimizer_state(optimizer)
-            state["optimizer"] = optimizer.state_dict()
+            state["optimizer"] = tree_map(clone_for_load, optimizer.state_dict())
             absent = _prune_absent_optimizer_state(state["optimizer"], metadata)
-        state = tree_map(clone_for_load, state)
         dcp.load(state, checkpoint_id=str(path))
     except (Exception, CheckpointException) as exc:
         for param in created:  # undo the state materialised for the load
@@ -280,7 +248,7 @@ def load_checkpoint(
     model.load_state_dict(state["model"])
     if optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])
-        params = _indexed_params(optimizer)
+        params = indexed_params(optimizer)
         for index in absent:
             optimizer.state.pop(params[index], None)
     return _load_extra_state(path)
@@ -300,6 +268,5 @@ __all__ = [
     "StateDictMismatchError",
     "load_checkpoint",
     "materialize_optimizer_state",
-    "preprocess_optimizer_state_dict",
     "save_checkpoint",
 ]

@@ -63,19 +63,24 @@ def _export(value: torch.Tensor, dtype: Optional[torch.dtype], device: torch.dev
 
 
 def _gather_main_weights(group: "ParameterGroup", timeout) -> tuple[torch.Tensor, bool]:
-    """The unsharded main weights of one group (and whether that is a temporary):
-    HFSDP pieces are gathered across the outer group into dp-shard shards first."""
+    """The unsharded main weights of one group (and whether that is a temporary)."""
     source = group.main_weight_source
     if not source.is_distributed:
         return source.data, False
-    flat = source.data
-    label = f"export:{group.label}"
-    if group.hfsdp and source is group.main_weights:
-        shard = torch.empty(group.layout.shard_numel, dtype=source.dtype, device=source.device)
+    outer = group.hfsdp and source is group.main_weights
+    return gather_unsharded(group, source.data, outer=outer, label=f"export:{group.label}", timeout=timeout), True
+
+
+def gather_unsharded(group: "ParameterGroup", flat: torch.Tensor, *, outer: bool, label: str, timeout) -> torch.Tensor:
+    """A new unsharded flat bucket (``layout.padded_numel``) from this rank's
+    shard ``flat`` of it; ``outer``: ``flat`` is a piece of the finer HFSDP
+    (``optimizer_layout``) split, gathered across the outer group first."""
+    if outer:
+        shard = torch.empty(group.layout.shard_numel, dtype=flat.dtype, device=flat.device)
         collectives.all_gather(shard, flat, group.dp.outer_group, async_op=False, label=label, timeout=timeout)
         flat = shard
     if group.layout.world_size > 1:
-        gathered = torch.empty(group.layout.padded_numel, dtype=source.dtype, device=source.device)
+        gathered = torch.empty(group.layout.padded_numel, dtype=flat.dtype, device=flat.device)
         collectives.all_gather(gathered, flat, group.dp.shard_group, async_op=False, label=label, timeout=timeout)
         flat = gathered
-    return flat, True
+    return flat

@@ -169,13 +169,10 @@ def fully_shard_optimizer(
     synchronisation (through step hooks: see optimizer.py), and create its state
     now, as its first step would (Adam: zero moments, step 0), so that
     ``dcp.load({"optimizer": optimizer.state_dict()})`` has tensors to fill. No step
-    is taken and no parameter changes."""
-    first = getattr(optimizer, "megatron_fsdp_binding", None) is None
+    is taken and no parameter changes. ``state_dict()`` always holds standard
+    DTensors (optimizer_state_dict.py), which DCP needs no preprocessing for:
+    ``preproc_state_dict_for_dcp_ckpt`` is accepted for upstream's signature."""
     bind_optimizer(optimizer)
-    from .checkpoint import preprocess_optimizer_state_dict
-
-    if preproc_state_dict_for_dcp_ckpt and first:
-        optimizer.register_state_dict_post_hook(preprocess_optimizer_state_dict)
     return optimizer
 
 

@@ -1,9 +1,11 @@
 """How an optimizer drives a ``MegatronFSDP`` model: step hooks, eager state, rebuild.
 
 ``fully_shard_optimizer`` extends the user's optimizer only through PyTorch's own
-extension points (``register_step_pre_hook`` / ``register_step_post_hook``): its
-``step`` stays the class's method, so LR schedulers, ``step(closure)`` and pickling
-of its state dict behave as with any optimizer.
+extension points (``register_step_pre_hook`` / ``register_step_post_hook``, and
+``register_state_dict_post_hook`` / ``register_load_state_dict_pre_hook`` for the
+standard state-dict form of optimizer_state_dict.py): its ``step`` and
+``state_dict`` stay the class's methods, so LR schedulers, ``step(closure)`` and
+pickling of its state dict behave as with any optimizer.
 
 Per ``optimizer.step(...)``::
 
@@ -28,6 +30,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .megatron_fsdp import MegatronFSDP, compute_owner_of, owner_of
+from .optimizer_state_dict import state_dict_hooks
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +38,8 @@ _STEP_KWARGS = ("sync_grad_before_optimizer_step", "install_optimized_model_weig
 
 
 class OptimizerBinding:
-    """The models one optimizer updates, and the step hooks that keep them in sync.
+    """The models one optimizer updates, the step hooks that keep them in sync, and
+    the state-dict hooks that hand out (and take back) its state in standard form.
     Stored on the optimizer as ``optimizer.megatron_fsdp_binding``."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, models: list[MegatronFSDP]) -> None:
@@ -45,6 +49,7 @@ class OptimizerBinding:
         self._handles = [
             optimizer.register_step_pre_hook(self.pre_step),
             optimizer.register_step_post_hook(self.post_step),
+            *state_dict_hooks(optimizer),
         ]
 
     def pre_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -13,10 +13,8 @@ under every standard API: ``full_tensor()``, ``redistribute``,
 no closures, so ``torch.save`` pickles them. Loading turns any DTensor layout back
 into this rank's flat slice (``full_tensor()`` per parameter, then a slice).
 
-The optimizer's state dict still carries the flat slices, with their true extent
-given to DCP through the hooks DTensor forwards (``attach_dcp_chunks``): the
-flat range is cut into rectangular boxes (``layout.flat_range_boxes``) addressed
-by global offsets, so DCP reshards optimizer state as well.
+The optimizer's state dict takes the same form (optimizer_state_dict.py), so
+``torch.save(optimizer.state_dict())`` works and DCP reshards optimizer state too.
 """
 from __future__ import annotations
 
@@ -42,10 +40,14 @@ class StateDictMismatchError(RuntimeError):
     """Keys or shapes of a state dict / checkpoint do not match the model."""
 
 
-# -- DCP metadata for flat shards -----------------------------------------------------
+# -- flat shards for the experimental engine ---------------------------------------------
 def attach_dcp_chunks(local: torch.Tensor, global_shape: torch.Size, flat_start: int) -> None:
     """Teach DCP where the flat ``local`` slice (starting at ``flat_start`` in the
-    parameter's flat order) lies inside the global tensor (see the note above)."""
+    parameter's flat order) lies inside the global tensor.
+
+    Only ``experimental/checkpoint.py`` still needs this: it checkpoints live flat
+    shards. The main engine's state dicts hold standard DTensors instead, because
+    these closures on the tensor make ``torch.save`` fail."""
     boxes = flat_range_boxes(tuple(global_shape), flat_start, flat_start + local.numel())
     by_offsets = {box.offsets: box for box in boxes}
     size = torch.Size(global_shape)
@@ -74,28 +76,46 @@ def attach_dcp_chunks(local: torch.Tensor, global_shape: torch.Size, flat_start:
     local.__create_write_items__ = create_write_items
     local.__create_chunk_list__ = create_chunk_list
     local.__get_tensor_shard__ = get_tensor_shard
-    local.__megatron_fsdp_extent__ = (size, flat_start)
-
-
-def clone_for_load(value: Any) -> Any:
-    """A private copy to load into, keeping the DCP chunk metadata of ``value``."""
-    if not isinstance(value, torch.Tensor):
-        return value
-    copy = value.detach().clone()
-    if isinstance(value, DTensor):
-        extent = getattr(value._local_tensor, "__megatron_fsdp_extent__", None)
-        if extent is not None:
-            attach_dcp_chunks(copy._local_tensor, *extent)
-    return copy
 
 
 def checkpointable(value: torch.Tensor, like: torch.Tensor, flat_start: int) -> torch.Tensor:
-    """A detached DTensor sharing ``value``'s storage, with DCP chunk metadata."""
+    """A detached DTensor sharing ``value``'s storage, with DCP chunk metadata
+    (experimental engine only: see ``attach_dcp_chunks``)."""
     if not isinstance(value, DTensor):
         return value.detach()
     fresh = value.detach()
     attach_dcp_chunks(fresh._local_tensor, like.shape, flat_start)
     return fresh
+
+
+def clone_for_load(value: Any) -> Any:
+    """A private host (CPU) copy of a state-dict value, to load a checkpoint into
+    before anything live changes (or to stage an asynchronous save).
+
+    Host memory, not the device: a GPU run would otherwise hold a second copy of
+    its model and optimizer state on the GPU while loading. A DTensor keeps its
+    mesh and placements (torch's own CPU staging does the same): DCP only reads
+    and writes the local tensor; ``full_value`` moves it back one tensor at a time."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    return value.detach().to("cpu", copy=True)
+
+
+def full_value(value: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The whole tensor of a state-dict value on ``device``: a plain tensor as is;
+    a DTensor of any layout gathered (a collective over its mesh), the uneven ones
+    of upstream's ``update_uneven_dtensor_chunk_metadata`` by their real extents."""
+    if not isinstance(value, DTensor):
+        return value.to(device)
+    if value.to_local().device != device:
+        value = value.to(device)  # a host copy from clone_for_load: back for the collective
+    if all(isinstance(p, Replicate) for p in value.placements):
+        return value.to_local()
+    if hasattr(value.to_local(), "__create_chunk_list__"):
+        from .uneven_dtensor import uneven_dtensor_to_full_tensor
+
+        return uneven_dtensor_to_full_tensor(value)
+    return value.full_tensor()
 
 
 # -- model state dicts -----------------------------------------------------------------
@@ -113,7 +133,7 @@ def chunk_rows(rows: int, world: int, rank: int) -> tuple[int, int]:
     return start, min(start + size, rows)
 
 
-def _standard_dtensor(group, full: torch.Tensor) -> DTensor:
+def standard_dtensor(group, full: torch.Tensor) -> DTensor:
     """``full`` (this parameter's unsharded main weights) as a DTensor whose local
     piece is what standard DTensor APIs expect: whole rows split like
     ``torch.chunk`` over the dp-shard mesh dimension (the mesh's last), replicated
@@ -149,7 +169,7 @@ def sharded_state_dict(
     (``module_prefix=False``: keyed like the wrapped module).
 
     Sharded weights are gathered per parameter group (a collective over its data-
-    parallel group) and handed out as standard DTensors (``_standard_dtensor``):
+    parallel group) and handed out as standard DTensors (``standard_dtensor``):
     fresh tensors (replicated ones too), so loading goes through ``load_state_dict``.
     ``keep_vars=True`` hands out the distributed parameters themselves (the
     optimizer's flat shards)."""
@@ -166,7 +186,7 @@ def sharded_state_dict(
             flat, _ = _gather_main_weights(group, model.all_gather_pipeline.timeout)
             for index, (name, param) in enumerate(zip(group.names, group.params)):
                 start, end = group.layout.item_range(index)
-                values[name] = _standard_dtensor(group, flat[start:end].view(param.shape).detach())
+                values[name] = standard_dtensor(group, flat[start:end].view(param.shape).detach())
     out: "OrderedDict[str, Any]" = OrderedDict()
     for alias, name in _alias_names(model).items():
         out[base + alias] = values[name]
@@ -271,10 +291,7 @@ def _local_source(model: "MegatronFSDP", key: str, own: torch.Tensor, value: tor
                     f"sharding than this model's {tuple(local.shape)}; pass model.state_dict() or full tensors"
                 )
             return value.to_local()
-        if all(isinstance(p, Replicate) for p in value.placements):
-            value = value.to_local()
-        else:
-            value = value.full_tensor()  # collective over the value's mesh
+        value = full_value(value, own.device if not isinstance(own, DTensor) else own.to_local().device)
     if not isinstance(own, DTensor) or own.to_local().shape == own.shape:
         return value
     local = own.to_local()

@@ -59,11 +59,6 @@ def pickle_worker(rank, world, *, strategy):
     return len(saved.getvalue())
 
 
-@pytest.mark.xfail(
-    hasattr(mf.state_dict, "attach_dcp_chunks"),
-    reason="state_dict.py (issue 13) still stores DCP chunk closures on the state tensors; its standard DTensors pickle",
-    raises=Exception,
-)
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_torch_save_optimizer_state_dict(pool2, strategy):
     assert all(n > 0 for n in pool2.run(pickle_worker, strategy=strategy))

@@ -1,0 +1,167 @@
+"""The optimizer's state dict in the model state dict's standard form.
+
+[Note: standard optimizer state] The optimizer steps the distributed parameters:
+DTensors whose local tensor is a flat 1-D slice of the group's flat buffer,
+possibly uneven, empty or starting mid-row (see [Note: standard state-dict
+DTensors] in state_dict.py). Its per-parameter state (Adam's moments) is cut the
+same way. No DTensor placement describes such a slice, so ``optimizer.state_dict()``
+does not hand it out: a post-hook (``Optimizer.register_state_dict_post_hook``,
+torch's extension point; no closure is stored on any tensor, so the result
+pickles) turns every parameter-shaped state tensor into the DTensor
+``model.state_dict()`` gives for the weight: whole rows split like ``torch.chunk``
+over the dp-shard mesh dimension (``Shard(0)``), ``Replicate()`` for replicated
+groups. Scalars (Adam's ``step``) and the key structure stay exactly torch's:
+integer parameter ids in ``state``, ``param_groups`` with ``params`` lists, so
+upstream's checkpoints (same keys, DCP addresses data by global offsets) load.
+
+Cost of ``state_dict()``: for each parameter group and state key, in turn, one
+all-gather of the group's flat state (the group's unsharded size in temporary
+memory, freed before the next key), plus the returned standard pieces, which
+are about the size of the live state (each tensor's rows split ``world`` ways).
+
+Loading (``Optimizer.register_load_state_dict_pre_hook``) goes the other way,
+one tensor at a time: any DTensor layout (our standard one as DCP filled it,
+upstream's uneven one) or a plain full tensor becomes the full tensor (a
+collective over the value's mesh; the largest parameter's size in temporary
+memory), of which this rank keeps its flat slice. Collective: every rank must
+call ``state_dict()`` / ``load_state_dict()`` with the same parameters and keys.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Iterable, Optional
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from .megatron_fsdp import owner_of
+from .state_dict import full_value, standard_dtensor
+
+if TYPE_CHECKING:
+    from .megatron_fsdp import MegatronFSDP
+    from .param_and_grad_buffer import ParameterGroup
+
+
+def indexed_params(optimizer: torch.optim.Optimizer) -> dict[int, torch.Tensor]:
+    """Index -> parameter as ``Optimizer.state_dict`` numbers them (first appearance)."""
+    seen: dict[int, int] = {}
+    out: dict[int, torch.Tensor] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in seen:
+                seen[id(p)] = len(seen)
+                out[seen[id(p)]] = p
+    return out
+
+
+def _is_piece(value: Any, param: torch.Tensor) -> bool:
+    """Per-parameter state cut like the parameter (Adam's moments; not ``step``)."""
+    return isinstance(value, DTensor) and value.dim() > 0 and value.shape == param.shape
+
+
+def _models(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor]) -> list["MegatronFSDP"]:
+    models: list["MegatronFSDP"] = []
+    for p in params:
+        model = owner_of(p)
+        if model is not None and model not in models:
+            models.append(model)
+    return models
+
+
+# -- state_dict(): flat pieces -> standard DTensors ------------------------------------------
+@torch.no_grad()
+def standardize_optimizer_state_dict(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+    """``Optimizer.state_dict`` post-hook: see [Note: standard optimizer state]."""
+    params = indexed_params(optimizer)
+    # Optimizer.state_dict() hands out the live per-parameter dicts: rewrite copies.
+    states = state_dict["state"] = {i: dict(s) for i, s in state_dict.get("state", {}).items()}
+    for model in _models(optimizer, params.values()):
+        buffer = model.param_and_grad_buffer
+        entries: dict["ParameterGroup", list[tuple[int, int]]] = {}
+        for index, param in params.items():
+            slot = buffer.dist_slot(param) if owner_of(param) is model else None
+            if slot is not None and index in states and slot[0].strategy.shards_optimizer:
+                entries.setdefault(slot[0], []).append((index, slot[1]))
+        timeout = model.all_gather_pipeline.timeout
+        for group in buffer.groups:  # the buffer's order: the same collectives on every rank
+            if group in entries:
+                _standardize_group(group, entries[group], states, timeout)
+    return state_dict
+
+
+def _standardize_group(group: "ParameterGroup", entries: list[tuple[int, int]], states: dict, timeout) -> None:
+    """Replace the flat state pieces of one sharded group's parameters, one state
+    key at a time (one unsharded flat bucket of the group alive at a time)."""
+    from .full_state_dict import gather_unsharded  # it imports state_dict.py, as this module does
+
+    keys = sorted({k for i, item in entries for k, v in states[i].items() if _is_piece(v, group.params[item])})
+    layout = group.optimizer_layout
+    base = group.dp.optimizer_rank * layout.shard_numel
+    for key in keys:
+        like = next(states[i][key] for i, item in entries if _is_piece(states[i].get(key), group.params[item]))
+        local = torch.zeros(layout.shard_numel, dtype=like.dtype, device=like.to_local().device)
+        for i, item in entries:
+            value = states[i].get(key)
+            start, numel = group.optimizer_piece(item)
+            if _is_piece(value, group.params[item]) and numel:
+                local[start - base : start - base + numel].copy_(value.to_local().reshape(-1))
+        flat = gather_unsharded(group, local, outer=group.hfsdp, label=f"optimizer_state:{group.label}", timeout=timeout)
+        for i, item in entries:
+            if _is_piece(states[i].get(key), group.params[item]):
+                start, end = group.layout.item_range(item)
+                states[i][key] = standard_dtensor(group, flat[start:end].view(group.params[item].shape))
+        del flat, local
+
+
+# -- load_state_dict(): any layout -> flat pieces ----------------------------------------------
+@torch.no_grad()
+def flatten_optimizer_state_dict(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+    """``Optimizer.load_state_dict`` pre-hook: every parameter-shaped state tensor
+    becomes what the optimizer steps (this rank's flat piece as a DTensor shaped
+    like the parameter). The caller's dicts are not modified."""
+    params = indexed_params(optimizer)
+    state_dict = dict(state_dict)
+    states = {}
+    for index in sorted(state_dict.get("state", {}), key=str):  # one order on every rank
+        param_state = state_dict["state"][index]
+        param = params.get(index) if isinstance(index, int) else None
+        model = owner_of(param) if param is not None else None
+        if model is None or not isinstance(param_state, dict):
+            states[index] = param_state  # torch's own load reports what does not fit
+            continue
+        states[index] = {
+            key: _flat_piece(model, param, value) if _is_state_tensor(value, param) else value
+            for key, value in sorted(param_state.items())
+        }
+    state_dict["state"] = states
+    return state_dict
+
+
+def _is_state_tensor(value: Any, param: torch.Tensor) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == param.shape
+
+
+def _flat_piece(model: "MegatronFSDP", param: DTensor, value: torch.Tensor) -> DTensor:
+    """This rank's part of ``value`` (any DTensor layout or a full tensor of
+    ``param``'s shape), cut and wrapped as ``param`` is. Collective for DTensors."""
+    local = param.to_local()
+    full = full_value(value, local.device)
+    if local.shape == param.shape:  # replicated: the whole tensor
+        piece = full.to(dtype=local.dtype, copy=True)
+    else:
+        start = model.param_and_grad_buffer.local_flat_start(param)
+        piece = full.reshape(-1)[start : start + local.numel()].to(dtype=local.dtype, copy=True)
+    return DTensor.from_local(
+        piece, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+    )
+
+
+def state_dict_hooks(optimizer: torch.optim.Optimizer) -> list[Any]:
+    """Register both hooks on ``optimizer``; returns their removable handles."""
+    return [
+        optimizer.register_state_dict_post_hook(standardize_optimizer_state_dict),
+        optimizer.register_load_state_dict_pre_hook(flatten_optimizer_state_dict),
+    ]
+
+
+__all__ = ["flatten_optimizer_state_dict", "indexed_params", "standardize_optimizer_state_dict", "state_dict_hooks"]
