@@ -38,6 +38,7 @@ from .layout import BucketLayout
 from .marks import is_expert_param, is_fsdp_no_shard
 from .mixed_precision import MixedPrecisionPolicy
 from .units import plan_merge
+from .utils import make_fsdp_dtensor  # noqa: F401  upstream's home of it: Megatron-LM imports it from here
 
 logger = logging.getLogger(__name__)
 

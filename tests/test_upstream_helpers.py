@@ -27,6 +27,7 @@ from megatron_fsdp.utils import (
     find_megatron_fsdp,
     get_mcore_tensor_parallel_partition_dim,
     is_mcore_tensor_model_parallel,
+    make_fsdp_dtensor,
 )
 from models import Block, make_model
 
@@ -110,3 +111,60 @@ def find_worker(rank, world):
 
 def test_find_megatron_fsdp(pool2):
     assert all(pool2.run(find_worker))
+
+
+def make_fsdp_dtensor_worker(rank, world, *, path):
+    """Upstream's make_fsdp_dtensor: uneven row shards (and a whole replicated
+    tensor), validated, with DCP chunk metadata; DCP writes them at their real offsets
+    and torch.save still pickles them."""
+    from megatron_fsdp.param_and_grad_buffer import make_fsdp_dtensor as upstream_path
+    from megatron_fsdp.utils import make_fsdp_dtensor
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+    index = mf.FSDPDistributedIndex(mesh, dp_shard_dim="dp_shard")
+    total = sum(_rows(world))
+    full = torch.arange(total * 3, dtype=torch.float32).reshape(total, 3)
+    param = nn.Parameter(torch.empty(total, 3))
+    start = sum(_rows(world)[:rank])
+    flat = full[start : start + _rows(world)[rank]].reshape(-1).clone()  # the local rows, flattened
+    dt = make_fsdp_dtensor(flat, param, index, run_check=True, update_uneven_dtensor_chunk_meta=True)
+    whole = make_fsdp_dtensor(full.reshape(-1).clone(), param, index, is_sharded_param=False)
+    dcp.save({"w": dt, "r": whole}, checkpoint_id=path)
+    target = {"w": torch.distributed.tensor.distribute_tensor(torch.zeros_like(full), mesh, [Shard(0)]), "r": torch.zeros_like(full)}
+    dcp.load(target, checkpoint_id=path)
+    buf = io.BytesIO()
+    torch.save({"w": dt}, buf)
+    try:
+        make_fsdp_dtensor(flat, param, index, is_sharded_param=False)
+        mismatch_error = world == 1
+    except ValueError as exc:
+        mismatch_error = "is_sharded_param" in str(exc)
+    return dict(
+        same_function=upstream_path is make_fsdp_dtensor,
+        shape=dt.shape == full.shape and tuple(dt.to_local().shape) == (_rows(world)[rank], 3),
+        placements=list(dt.placements) == [Shard(0)] and list(whole.placements) == [Replicate()],
+        full=torch.equal(uneven_dtensor_to_full_tensor(dt), full),
+        dcp=torch.equal(target["w"].full_tensor(), full) and torch.equal(target["r"], full),
+        mismatch_error=mismatch_error,
+    )
+
+
+def test_make_fsdp_dtensor(pool2, tmp_path):
+    for out in pool2.run(make_fsdp_dtensor_worker, path=str(tmp_path / "ckpt")):
+        assert all(out.values()), out
+
+
+def make_fsdp_dtensor_hsdp_worker(rank, world):
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("outer", "shard"))
+    param = nn.Parameter(torch.empty(4, 2))
+    results = []
+    for outer_shards in (False, True):
+        index = mf.FSDPDistributedIndex(mesh, dp_shard_dim="shard", dp_outer_dim="outer", hsdp_outer_dp_shard=outer_shards)
+        dt = make_fsdp_dtensor(torch.zeros(2), param, index)
+        results.append([type(p).__name__ for p in dt.placements])
+    return results
+
+
+def test_make_fsdp_dtensor_hybrid_placements(pool4):
+    for placements in pool4.run(make_fsdp_dtensor_hsdp_worker):
+        assert placements == [["Replicate", "Shard"], ["Shard", "Shard"]]
