@@ -601,6 +601,18 @@ class MegatronFSDP(nn.Module):
                 if g.dp.outer_group is not None and not (buf is g.main_weights and g.hfsdp):
                     collectives.broadcast(buf.data, 0, g.dp.outer_group, label=f"outer:{g.label}")
 
+    def __getattr__(self, name: str) -> Any:
+        """What the wrapper lacks comes from the wrapped module (as with FSDP1), so
+        that ``named_parameters()`` names (``inp.weight``, no ``module.``) resolve
+        from the wrapper: torch's ``get_optimizer_state_dict`` walks them so."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is None or name.startswith("__"):
+                raise
+            return getattr(module, name)
+
     def named_parameters(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[tuple[str, nn.Parameter]]:

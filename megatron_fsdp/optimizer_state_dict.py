@@ -129,10 +129,12 @@ def flatten_optimizer_state_dict(optimizer: torch.optim.Optimizer, state_dict: d
         if model is None or not isinstance(param_state, dict):
             states[index] = param_state  # torch's own load reports what does not fit
             continue
-        states[index] = {
-            key: _flat_piece(model, param, value) if _is_state_tensor(value, param) else value
+        converted = {  # sorted: the same collectives on every rank
+            key: _flat_piece(model, param, value)
             for key, value in sorted(param_state.items())
+            if _is_state_tensor(value, param)
         }
+        states[index] = {key: converted.get(key, value) for key, value in param_state.items()}
     state_dict["state"] = states
     return state_dict
 
