@@ -7,13 +7,16 @@ load_checkpoint stages host copies and a failed load changes nothing."""
 
 from __future__ import annotations
 
+import copy
 import io
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.utils._pytree import tree_leaves
 
 import megatron_fsdp as mf
 from conftest import get_pool
@@ -170,3 +173,97 @@ def test_dcp_reshards_optimizer_state_from_2_to_4_and_1(pool2, pool4, tmp_path, 
     for pool in (pool4, get_pool(1)):
         for state_diff, weight_diff in pool.run(dcp_load_worker, strategy=target, path=path):
             assert state_diff < TOL and weight_diff < TOL
+
+
+# -- a checkpoint written in upstream's form -------------------------------------------------
+def _upstream_bounds(rows, world):
+    """Row boundaries of an uneven split unlike torch.chunk's (upstream cuts its own)."""
+    return [0] + [((r + 1) * rows) // (world + 1) for r in range(world - 1)] + [rows]
+
+
+def upstream_save_worker(rank, world, *, path, ours):
+    """Build upstream's checkpoint by hand: ``module.<name>`` keys with uneven
+    make_fsdp_dtensor values, the optimizer keyed as torch's Optimizer.state_dict
+    (integer ids, param_groups with params lists); also our own checkpoint."""
+    ref_model, ref_opt = _reference(2)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+    index = mf.FSDPDistributedIndex(mesh, dp_shard_dim="dp_shard")
+
+    def upstream(t):
+        bounds = _upstream_bounds(t.shape[0], world)
+        local = t.detach()[bounds[rank] : bounds[rank + 1]].reshape(-1).clone()
+        return make_fsdp_dtensor(local, t, index, run_check=True, update_uneven_dtensor_chunk_meta=True)
+
+    ref = ref_opt.state_dict()
+    model_sd = {"module." + name: upstream(p) for name, p in ref_model.named_parameters()}
+    osd = {"state": {i: {k: (v.clone() if k == "step" else upstream(v)) for k, v in s.items()}
+                     for i, s in ref["state"].items()},
+           "param_groups": copy.deepcopy(ref["param_groups"])}
+    dcp.save({"model": model_sd, "optimizer": osd}, checkpoint_id=path)
+    model, opt = _shard("optim_grads_params")
+    dcp.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, checkpoint_id=ours)
+    # the same upstream-form state dicts loaded in memory (uneven DTensors: real extents)
+    model.load_state_dict(model_sd)
+    opt.load_state_dict(osd)
+    return _full_state_diff(model, opt, ref_model, ref_opt)
+
+
+@pytest.mark.parametrize("target", ["optim_grads_params", "no_shard"])
+def test_checkpoint_in_upstreams_form_loads(pool2, pool4, tmp_path, target):
+    path, ours = str(tmp_path / "upstream"), str(tmp_path / "ours")
+    assert max(pool2.run(upstream_save_worker, path=path, ours=ours)) < TOL
+    keys = [set(dcp.FileSystemReader(p).read_metadata().state_dict_metadata) for p in (path, ours)]
+    assert keys[0] == keys[1]  # the same flattened keys: optimizer.state.<id>.<key>, param_groups
+    for pool in (pool2, pool4):
+        for state_diff, weight_diff in pool.run(dcp_load_worker, strategy=target, path=path):
+            assert state_diff < TOL and weight_diff < TOL
+
+
+# -- load_checkpoint stages host copies; a failed load changes nothing -----------------------
+def staged_load_worker(rank, world, *, strategy, path):
+    from test_patterns_checkpoint import _same, _snapshot
+
+    import megatron_fsdp.checkpoint as checkpoint
+
+    batches = make_batches("net", 3, GLOBAL_BATCH)
+    model, opt = _shard(strategy)
+    _train(model, opt, batches[:2], rank, world)
+    mf.save_checkpoint(path, model, opt)
+    _train(model, opt, batches[2:], rank, world)  # the live state moves on
+    before = _snapshot(model, opt)
+    live = {p.to_local().data_ptr() for p in model.parameters()}
+    live |= {(v.to_local() if isinstance(v, DTensor) else v).data_ptr() for s in opt.state.values() for v in s.values()}
+    staged, real_load = [], checkpoint.dcp.load
+
+    def load_then_fail(state, checkpoint_id):
+        real_load(state, checkpoint_id=checkpoint_id)  # fills whatever it was given
+        for leaf in tree_leaves(state):
+            if isinstance(leaf, torch.Tensor):
+                local = leaf.to_local() if isinstance(leaf, DTensor) else leaf
+                staged.append(local.device.type == "cpu" and local.data_ptr() not in live)
+        raise RuntimeError("simulated failure after the read")
+
+    checkpoint.dcp.load = load_then_fail
+    try:
+        mf.load_checkpoint(path, model, opt)
+        raised = False
+    except CheckpointReadError:
+        raised = True
+    finally:
+        checkpoint.dcp.load = real_load
+    unchanged = _same(before, _snapshot(model, opt))
+    mf.load_checkpoint(path, model, opt)
+    return raised, unchanged, bool(staged) and all(staged), _full_state_diff(model, opt, *_reference(2))
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads_params"])
+def test_load_checkpoint_stages_host_copies_and_fails_cleanly(pool2, tmp_path, strategy):
+    for raised, unchanged, host, diff in pool2.run(staged_load_worker, strategy=strategy, path=str(tmp_path / "c")):
+        assert raised and unchanged and host and diff < TOL
+
+
+def test_clone_for_load_is_a_host_copy():
+    value = torch.arange(6.0).reshape(2, 3)
+    clone = clone_for_load(value)
+    assert clone.device.type == "cpu" and torch.equal(clone, value) and clone.data_ptr() != value.data_ptr()
+    assert clone_for_load(3) == 3
