@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional
 import torch
 from torch.distributed.tensor import DTensor
 
+from .full_state_dict import gather_unsharded
 from .megatron_fsdp import owner_of
 from .state_dict import full_value, standard_dtensor
 
@@ -59,7 +60,8 @@ def _is_piece(value: Any, param: torch.Tensor) -> bool:
     return isinstance(value, DTensor) and value.dim() > 0 and value.shape == param.shape
 
 
-def _models(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor]) -> list["MegatronFSDP"]:
+def _models(params: Iterable[torch.Tensor]) -> list["MegatronFSDP"]:
+    """The models owning ``params``, in first-appearance order (the same on every rank)."""
     models: list["MegatronFSDP"] = []
     for p in params:
         model = owner_of(p)
@@ -75,7 +77,7 @@ def standardize_optimizer_state_dict(optimizer: torch.optim.Optimizer, state_dic
     params = indexed_params(optimizer)
     # Optimizer.state_dict() hands out the live per-parameter dicts: rewrite copies.
     states = state_dict["state"] = {i: dict(s) for i, s in state_dict.get("state", {}).items()}
-    for model in _models(optimizer, params.values()):
+    for model in _models(params.values()):
         buffer = model.param_and_grad_buffer
         entries: dict["ParameterGroup", list[tuple[int, int]]] = {}
         for index, param in params.items():
@@ -92,8 +94,6 @@ def standardize_optimizer_state_dict(optimizer: torch.optim.Optimizer, state_dic
 def _standardize_group(group: "ParameterGroup", entries: list[tuple[int, int]], states: dict, timeout) -> None:
     """Replace the flat state pieces of one sharded group's parameters, one state
     key at a time (one unsharded flat bucket of the group alive at a time)."""
-    from .full_state_dict import gather_unsharded  # it imports state_dict.py, as this module does
-
     keys = sorted({k for i, item in entries for k, v in states[i].items() if _is_piece(v, group.params[item])})
     layout = group.optimizer_layout
     base = group.dp.optimizer_rank * layout.shard_numel

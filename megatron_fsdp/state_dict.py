@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .layout import flat_range_boxes
+from .uneven_dtensor import uneven_dtensor_to_full_tensor
 
 if TYPE_CHECKING:
     from .megatron_fsdp import MegatronFSDP
@@ -111,9 +112,7 @@ def full_value(value: torch.Tensor, device: torch.device) -> torch.Tensor:
         value = value.to(device)  # a host copy from clone_for_load: back for the collective
     if all(isinstance(p, Replicate) for p in value.placements):
         return value.to_local()
-    if hasattr(value.to_local(), "__create_chunk_list__"):
-        from .uneven_dtensor import uneven_dtensor_to_full_tensor
-
+    if hasattr(value.to_local(), "__create_chunk_list__"):  # upstream's uneven rows
         return uneven_dtensor_to_full_tensor(value)
     return value.full_tensor()
 

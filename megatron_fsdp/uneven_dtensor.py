@@ -14,9 +14,11 @@ would misplace it. These helpers learn every rank's real extent with one small
   forwards), so saving and resharded loading place the data right;
 * ``split_dtensor``: split along a dimension without any communication of data.
 
-``model.state_dict()`` of this package already holds standard shards (see
-state_dict.py), so none of this is needed for our own checkpoints; all of it is
-collective over the DTensor's mesh.
+``model.state_dict()`` and ``optimizer.state_dict()`` of this package already
+hold standard shards (state_dict.py, optimizer_state_dict.py), so none of this is
+needed for our own checkpoints; loading accepts uneven DTensors (their real
+extents, through ``uneven_dtensor_to_full_tensor``). All of it is collective
+over the DTensor's mesh. ``make_fsdp_dtensor`` (utils.py) builds upstream's.
 """
 
 from __future__ import annotations

@@ -267,3 +267,41 @@ def test_clone_for_load_is_a_host_copy():
     clone = clone_for_load(value)
     assert clone.device.type == "cpu" and torch.equal(clone, value) and clone.data_ptr() != value.data_ptr()
     assert clone_for_load(3) == 3
+
+
+# -- HSDP / HFSDP (optimizer state split across the outer group too) --------------------------
+def hybrid_worker(rank, world, *, outer, path):
+    import torch.distributed as dist
+
+    from megatron_fsdp.distributed_index import build_hybrid_mesh
+
+    def shard():
+        return mf.fully_shard(make_model("net"), make_optimizer("adamw"), device_mesh=build_hybrid_mesh("cpu", 2),
+                              dp_shard_dim="dp_shard", dp_outer_dim="dp_outer", tp_dim="tp",
+                              hybrid_fsdp_group=dist.group.WORLD, fsdp_unit_modules=[Block],
+                              zero_dp_strategy="optim_grads_params", outer_dp_sharding_strategy=outer)
+
+    batches = make_batches("net", 4, GLOBAL_BATCH)
+    model, opt = shard()
+    _train(model, opt, batches[:2], rank, world)
+    diff = _full_state_diff(model, opt, *_reference(2))
+    blob = io.BytesIO()
+    torch.save(opt.state_dict(), blob)
+    dcp.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, checkpoint_id=path)
+    model2, opt2 = shard()
+    model2.load_state_dict(model.state_dict())
+    blob.seek(0)
+    opt2.load_state_dict(torch.load(blob, weights_only=False))
+    _train(model, opt, batches[2:], rank, world)
+    _train(model2, opt2, batches[2:], rank, world)
+    mine, theirs = mf.get_full_state_dict(model), mf.get_full_state_dict(model2)
+    return diff, all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
+@pytest.mark.parametrize("outer", ["no_shard", "optim"])
+def test_hybrid_state_dict_round_trips_and_reshards(pool4, pool2, tmp_path, outer):
+    path = str(tmp_path / "ckpt")
+    for diff, exact in pool4.run(hybrid_worker, outer=outer, path=path):
+        assert diff < TOL and exact
+    for state_diff, weight_diff in pool2.run(dcp_load_worker, strategy="optim_grads", path=path):
+        assert state_diff < TOL and weight_diff < TOL
