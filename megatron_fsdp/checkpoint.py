@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_map
 
 from .optimizer import init_optimizer_state
 from .optimizer_state_dict import indexed_params
-from .state_dict import StateDictMismatchError, clone_for_load
+from .state_dict import StateDictMismatchError, clone_for_load, state_dicts_on
 
 logger = logging.getLogger(__name__)
 
@@ -225,17 +225,21 @@ def load_checkpoint(
             f"could not read {path / '.metadata'} ({type(exc).__name__}: {exc}); nothing was loaded. "
             "Load an earlier checkpoint."
         ) from exc
-    _validate_model_keys(model.state_dict(), metadata)
+    # DCP reads into host copies (state_dicts_on: built there; clone_for_load: live
+    # references such as buffers copied there), so the device never holds a second
+    # copy of the model or optimizer state, and nothing live changes until all is read.
+    with state_dicts_on("cpu"):
+        model_state = tree_map(clone_for_load, model.state_dict())
+    _validate_model_keys(model_state, metadata)
     created: list[torch.Tensor] = []
     try:
-        # Host copies, one state dict at a time: the device holds the live state
-        # plus one state dict's transient standard pieces, never a second copy of both.
-        state: dict[str, Any] = {"model": tree_map(clone_for_load, model.state_dict())}
+        state: dict[str, Any] = {"model": model_state}
         absent: list[int] = []
         if optimizer is not None:
             if any(k.startswith("optimizer.state.") for k in metadata):
                 created = materialize_optimizer_state(optimizer)
-            state["optimizer"] = tree_map(clone_for_load, optimizer.state_dict())
+            with state_dicts_on("cpu"):
+                state["optimizer"] = tree_map(clone_for_load, optimizer.state_dict())
             absent = _prune_absent_optimizer_state(state["optimizer"], metadata)
         dcp.load(state, checkpoint_id=str(path))
     except (Exception, CheckpointException) as exc:

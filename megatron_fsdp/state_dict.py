@@ -18,9 +18,11 @@ The optimizer's state dict takes the same form (optimizer_state_dict.py), so
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from contextvars import ContextVar
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional
 
 import torch
 import torch.nn as nn
@@ -132,6 +134,22 @@ def chunk_rows(rows: int, world: int, rank: int) -> tuple[int, int]:
     return start, min(start + size, rows)
 
 
+_STATE_DICT_DEVICE: ContextVar[Optional[torch.device]] = ContextVar("megatron_fsdp_state_dict_device", default=None)
+
+
+@contextlib.contextmanager
+def state_dicts_on(device: "torch.device | str") -> Iterator[None]:
+    """``model.state_dict()`` / ``optimizer.state_dict()`` built inside hand out
+    their fresh standard pieces on ``device``. ``load_checkpoint`` builds them in
+    host memory: beyond the live state the accelerator then holds one group's
+    gathered bucket and one piece in flight, never a second copy of the state."""
+    token = _STATE_DICT_DEVICE.set(torch.device(device))
+    try:
+        yield
+    finally:
+        _STATE_DICT_DEVICE.reset(token)
+
+
 def standard_dtensor(group, full: torch.Tensor) -> DTensor:
     """``full`` (this parameter's unsharded main weights) as a DTensor whose local
     piece is what standard DTensor APIs expect: whole rows split like
@@ -141,17 +159,22 @@ def standard_dtensor(group, full: torch.Tensor) -> DTensor:
     See [Note: standard state-dict DTensors]."""
     mesh = group.dp.mesh
     if not group.strategy.shards_optimizer or full.dim() == 0:
-        # A copy, not a view of the flat bucket: torch.save would otherwise pickle
-        # the whole bucket's storage (and cannot read a resizable one).
-        local = full.clone()
+        piece = full
         placements = (Replicate(),) * mesh.ndim
     else:
         world = mesh.size(mesh.ndim - 1)
         rank = mesh.get_local_rank(mesh.ndim - 1)
         start, end = chunk_rows(full.shape[0], world, rank)
-        local = full[start:end].clone()
+        piece = full[start:end]
         placements = (Replicate(),) * (mesh.ndim - 1) + (Shard(0),)
-    return DTensor.from_local(local, mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
+    # A copy, not a view of the flat bucket: torch.save would otherwise pickle the
+    # whole bucket's storage (and cannot read a resizable one).
+    device = _STATE_DICT_DEVICE.get()
+    if device is None:
+        return DTensor.from_local(piece.clone(), mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
+    # from_local would move a host piece to the mesh's device: wrap the view, then copy.
+    view = DTensor.from_local(piece, mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
+    return view.to(device, copy=True)
 
 
 def _alias_names(model: "MegatronFSDP") -> dict[str, str]:

@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_leaves
 import megatron_fsdp as mf
 from conftest import get_pool
 from megatron_fsdp.checkpoint import CheckpointReadError
-from megatron_fsdp.state_dict import chunk_rows, clone_for_load
+from megatron_fsdp.state_dict import chunk_rows, clone_for_load, state_dicts_on
 from megatron_fsdp.utils import make_fsdp_dtensor
 from models import Block, loss_fn, make_batches, make_model, make_optimizer
 
@@ -253,13 +253,21 @@ def staged_load_worker(rank, world, *, strategy, path):
         checkpoint.dcp.load = real_load
     unchanged = _same(before, _snapshot(model, opt))
     mf.load_checkpoint(path, model, opt)
-    return raised, unchanged, bool(staged) and all(staged), _full_state_diff(model, opt, *_reference(2))
+    # state_dicts_on builds the fresh pieces where it is told ("meta" here, to tell
+    # them from host tensors); no_shard optimizer state is handed out live, as torch's
+    with state_dicts_on("meta"):
+        pieces = [v for v in model.state_dict().values() if isinstance(v, DTensor)]
+        if strategy != "no_shard":
+            pieces += [v for s in opt.state_dict()["state"].values() for k, v in s.items() if k != "step"]
+    routed = bool(pieces) and all(v.to_local().device.type == "meta" for v in pieces)
+    return raised, unchanged, bool(staged) and all(staged), routed, _full_state_diff(model, opt, *_reference(2))
 
 
 @pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads_params"])
 def test_load_checkpoint_stages_host_copies_and_fails_cleanly(pool2, tmp_path, strategy):
-    for raised, unchanged, host, diff in pool2.run(staged_load_worker, strategy=strategy, path=str(tmp_path / "c")):
-        assert raised and unchanged and host and diff < TOL
+    for raised, unchanged, host, routed, diff in pool2.run(staged_load_worker, strategy=strategy,
+                                                           path=str(tmp_path / "c")):
+        assert raised and unchanged and host and routed and diff < TOL
 
 
 def test_clone_for_load_is_a_host_copy():
