@@ -7,8 +7,8 @@ Flags keep Megatron-LM's names and defaults (``--use-megatron-fsdp``,
 ``--data-parallel-sharding-strategy``, ``--micro-batch-size``, ...); ``--config``
 reads the same flags from YAML and the command line overrides the file. Without
 ``--use-megatron-fsdp`` the same model trains under PyTorch DDP, for comparison.
-The default data is the byte-level text corpus in ``data/``; ``--mock-data``
-generates sequences instead.
+The default data is the byte-level text corpus in ``data/``; ``--data-path`` reads
+Megatron indexed datasets and ``--mock-data`` Megatron-LM's mock documents.
 
 This file is the driver, read top to bottom; the pieces live in
 ``megatron_fsdp/training/``. Mixed precision: ``--bf16`` casts the model before

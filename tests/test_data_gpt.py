@@ -297,3 +297,63 @@ def test_data_args_problems_for_validation():
     for fragment in ("--mock-data and --data-path are exclusive", "is not a Megatron indexed dataset",
                      "--split 'x' must be", "needs --merge-file"):
         assert any(fragment in p for p in problems), fragment
+
+
+# -- --mock-data: Megatron-LM's mock documents ---------------------------------------------
+def _mock_args(**overrides) -> argparse.Namespace:
+    return _launcher_args(**dict(dict(mock_data=True, data_path=None, tokenizer_type="NullTokenizer", vocab_size=100,
+                                      vocab_file=None, merge_file=None, train_iters=5, global_batch_size=4,
+                                      eval_interval=5, eval_iters=1), **overrides))
+
+
+def _mock_documents_follow_the_rule(sample: np.ndarray, vocab_size: int, eod: int) -> bool:
+    """megatron-core's rule: document i is 1, 2, ..., n-1 (mod vocab) then eod, so each token is the
+    previous + 1 (mod vocab), or eod, or 1 (a new document) after eod."""
+    for a, b in zip(sample[:-1], sample[1:]):
+        if not (b == (a + 1) % vocab_size or b == eod or (a == eod and b == 1)):
+            return False
+    return True
+
+
+def test_mock_data_gives_megatron_mock_documents():
+    low = gpt_dataset.MockLowLevelDataset(100, 99)
+    # numpy.random.default_rng(0).integers(1, 4096, 100000, int32) starts 3484, 2609, 2094.
+    assert low.sequence_lengths[:3].tolist() == [3484, 2609, 2094]
+    assert low.get(0).tolist() == [t % 100 for t in range(1, 3484)] + [99]
+    assert low.get(1, offset=98, length=4).tolist() == [99, 0, 1, 2]  # (98 + 1) % 100, ...
+    train, valid = build_datasets(_mock_args())
+    assert isinstance(train, MegatronSampleSource) and len(train) >= 20 and len(valid) >= 4
+    for source in (train, valid):
+        for i in range(20 if source is train else 4):
+            sample = source.sample(i).numpy()
+            assert sample.shape == (33,) and _mock_documents_follow_the_rule(sample, 100, 99), (source.name, i)
+    # The same seed gives the same samples; another seed another order.
+    again, _ = build_datasets(_mock_args())
+    other, _ = build_datasets(_mock_args(seed=99))
+    assert all(np.array_equal(train.sample(i), again.sample(i)) for i in range(20))
+    assert not all(np.array_equal(train.sample(i), other.sample(i)) for i in range(20))
+
+
+@needs_mcore
+def test_mock_data_equals_megatron_core_mock_gpt_dataset():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+        from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
+    args = _mock_args()
+    tokenizer = build_tokenizer("NullTokenizer", vocab_size=args.vocab_size)
+    num_samples = train_valid_test_num_samples(train_iters=5, global_batch_size=4, eval_interval=5, eval_iters=1)
+    config = GPTDatasetConfig(random_seed=args.seed, sequence_length=args.seq_length, blend=None, split=None,
+                              tokenizer=tokenizer, reset_position_ids=False, reset_attention_mask=False,
+                              eod_mask_loss=False, create_attention_mask=False)
+    theirs = BlendedMegatronDatasetBuilder(MockGPTDataset, num_samples, lambda: True, config).build()
+    ours_launcher = build_datasets(args)
+    ours_native = build_train_valid_test_datasets(data_path=None, mock=True, split=args.split, seq_length=32,
+                                                  seed=args.seed, tokenizer=tokenizer, num_samples=num_samples,
+                                                  backend=Backend.NATIVE)
+    for split, (core, launcher, native) in enumerate(zip(theirs, ours_launcher, (ours_native.train, ours_native.valid))):
+        for i in range(16):
+            item = core[i]
+            expected = np.concatenate([item["tokens"].numpy(), item["labels"].numpy()[-1:]])
+            assert np.array_equal(launcher.sample(i).numpy(), expected), (split, i)
+            assert np.array_equal(native.sample(i).numpy(), expected), (split, i)

@@ -325,3 +325,72 @@ def test_missing_dashboard_packages_are_a_clear_message(monkeypatch):
     args = _parse(["--wandb-project", "p", "--tensorboard-dir", "/tmp/x"])
     assert any("the wandb package is not installed" in w and "pip install wandb" in w for w in args.flag_warnings)
     assert any("the tensorboard package is not installed" in w for w in args.flag_warnings)
+
+
+# -- recomputation and zero-centred norms reach the embedded model ---------------------------
+RECOMPUTE_FLAGS = {
+    "uniform2": "--recompute-granularity full --recompute-method uniform --recompute-num-layers 2",
+    "block1": "--recompute-granularity full --recompute-method block --recompute-num-layers 1",
+    "selective": "--recompute-granularity selective",
+    "recompute_activations": "--recompute-activations",  # Megatron-LM's alias of selective
+}
+
+
+def test_recompute_and_layernorm_1p_flags_fill_the_gpt_config():
+    from megatron_fsdp.models.config import RecomputeGranularity, RecomputeMethod
+    from megatron_fsdp.training.model_setup import gpt_config_from_args
+
+    args = _parse(shlex.split(RECOMPUTE_FLAGS["block1"]) + ["--apply-layernorm-1p"])
+    assert args.flag_warnings == []  # used, not "accepted, no effect"
+    cfg = gpt_config_from_args(args)
+    assert cfg.recompute_granularity is RecomputeGranularity.FULL and cfg.apply_layernorm_1p
+    assert cfg.recompute_plan == (RecomputeMethod.BLOCK, 1)
+    assert gpt_config_from_args(_parse(["--recompute-activations"])).recompute_granularity \
+        is RecomputeGranularity.SELECTIVE
+    # Without full recomputation the two are inert, as in Megatron-LM (one warning).
+    args = _parse(["--recompute-method", "uniform", "--recompute-num-layers", "1"])
+    assert gpt_config_from_args(args).recompute_granularity is None and "no recomputation" in args.flag_warnings[0]
+
+
+@pytest.mark.parametrize("extra, message", [
+    ("--recompute-granularity full --recompute-num-layers 1", "needs --recompute-method uniform|block"),
+    ("--recompute-granularity full --recompute-method block", "needs --recompute-num-layers N"),
+    ("--recompute-granularity full --recompute-method uniform --recompute-num-layers 3",
+     "--recompute-num-layers=3 must be between 1 and --num-layers=2"),
+    ("--recompute-granularity selective --recompute-method uniform", "does not apply to selective"),
+    ("--recompute-activations --recompute-num-layers 1", "does not apply to selective"),
+])
+def test_megatron_recompute_rules(extra, message):
+    with pytest.raises(ArgumentError, match=re.escape(message)):
+        _parse(shlex.split(extra))
+
+
+def _loss_and_grads(args, tokens):
+    import torch
+
+    from megatron_fsdp.models import GPT, gpt_loss
+    from megatron_fsdp.training.model_setup import gpt_config_from_args
+
+    torch.manual_seed(0)
+    model = GPT(gpt_config_from_args(args))
+    torch.manual_seed(1)  # the same dropout masks (Megatron-LM's default dropout 0.1 is on)
+    loss = gpt_loss(model(tokens[:, :-1]), tokens[:, 1:])
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("name", list(RECOMPUTE_FLAGS))
+def test_recompute_flags_give_identical_losses_and_grads(name):
+    import torch
+
+    base = ["--num-layers", "3", "--apply-layernorm-1p"]
+    tokens = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(2))
+    plain_args = _parse(base)
+    recompute_args = _parse(base + shlex.split(RECOMPUTE_FLAGS[name]))
+    assert plain_args.hidden_dropout == 0.1 and recompute_args.recompute_granularity is not None
+    loss, grads = _loss_and_grads(plain_args, tokens)
+    loss_r, grads_r = _loss_and_grads(recompute_args, tokens)
+    assert torch.equal(loss, loss_r)
+    assert grads.keys() == grads_r.keys()
+    for n in grads:
+        assert torch.equal(grads[n], grads_r[n]), n

@@ -100,11 +100,16 @@ def format_iteration_line(*, iteration: int, train_iters: int, consumed_samples:
 def flops_per_iteration(args, num_parameters: int) -> float:
     """Training FLOPs of one global batch: 6 per parameter per token (forward and
     backward matmuls) plus the attention score/value products, 12*L*h*s per token;
-    activation recomputation repeats the forward (+1/3)."""
+    full activation recomputation repeats the forward of the blocks
+    it checkpoints (+1/3 of their cost)."""
     tokens = args.global_batch_size * args.seq_length
     attention = 12 * args.num_layers * args.hidden_size * args.seq_length
     flops = tokens * (6 * num_parameters + attention)
-    return flops * (4 / 3 if args.recompute_granularity == "full" else 1.0)
+    recomputed = 0.0  # fraction of the blocks whose forward runs twice
+    if args.recompute_granularity == "full":
+        block = args.recompute_method == "block"
+        recomputed = min(args.recompute_num_layers or 1, args.num_layers) / args.num_layers if block else 1.0
+    return flops * (1 + recomputed / 3)
 
 
 # -- memory -----------------------------------------------------------------------

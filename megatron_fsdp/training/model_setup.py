@@ -123,6 +123,9 @@ MODEL_FLAG_FIELDS = (
     ModelFlag("init_method_std", "init_method_std", 0.02),
     ModelFlag("qk_layernorm", "qk_layernorm", False),
     ModelFlag("recompute_granularity", "recompute_granularity", None),
+    ModelFlag("recompute_method", "recompute_method", None),
+    ModelFlag("recompute_num_layers", "recompute_num_layers", None),
+    ModelFlag("layernorm_zero_centered_gamma", "apply_layernorm_1p", False),  # --apply-layernorm-1p
     ModelFlag("num_experts", "num_moe_experts", None),
     ModelFlag("moe_router_topk", "moe_router_topk", 2),
     ModelFlag("moe_ffn_hidden_size", "moe_ffn_hidden_size", None),
@@ -184,6 +187,8 @@ def gpt_config_from_args(args) -> GPTConfig:
                   num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size)
     for flag in MODEL_FLAG_FIELDS:
         value = getattr(args, flag.dest)
+        if flag.field in ("recompute_method", "recompute_num_layers") and args.recompute_granularity != "full":
+            value = None  # Megatron-LM reads them with full recomputation only (validation warned)
         if flag.field in fields:
             kwargs[flag.field] = value
         elif flag.field in _LEGACY_FIELDS and _LEGACY_FIELDS[flag.field][0] in fields:

@@ -54,7 +54,7 @@ def flag_policy(args: argparse.Namespace, given: dict[str, FlagSpec]) -> tuple[l
 
 def collect_problems(args: argparse.Namespace, world_size: int) -> list[str]:
     problems: list[str] = []
-    for rule in (_required, _model_shape, _model_features, _batch, _schedule, _data_parallel, _megatron_fsdp,
+    for rule in (_required, _model_shape, _model_features, _recompute, _batch, _schedule, _data_parallel, _megatron_fsdp,
                  _precision, _data, _io, _optional_packages):
         problems += rule(args, world_size)
     return problems
@@ -170,6 +170,32 @@ def _model_features(args, world_size) -> list[str]:
     for flag, field in missing_model_fields(args):
         problems.append(f"{flag} needs the embedded model's GPTConfig.{field}, which this checkout does not have; "
                         "update megatron_fsdp (megatron_fsdp/models) or drop the flag")
+    return problems
+
+
+def _recompute(args, world_size) -> list[str]:
+    """Megatron-LM's rules for activation recomputation (its TransformerConfig's):
+    full needs a method and a layer count, selective takes neither."""
+    granularity = "selective" if args.recompute_activations else args.recompute_granularity
+    method, layers = args.recompute_method, args.recompute_num_layers
+    problems = []
+    if granularity == "full":
+        if method is None:
+            problems.append("--recompute-granularity full needs --recompute-method uniform|block (Megatron-LM's "
+                            "rule); add e.g. --recompute-method uniform --recompute-num-layers 1 to recompute "
+                            "every block")
+        if layers is None:
+            problems.append("--recompute-granularity full needs --recompute-num-layers N (Megatron-LM's rule): "
+                            "blocks per checkpointed group (uniform) or checkpointed blocks (block)")
+        elif args.num_layers is not None and not 1 <= layers <= args.num_layers:
+            problems.append(f"--recompute-num-layers={layers} must be between 1 and --num-layers={args.num_layers}")
+    elif granularity == "selective":
+        if method is not None:
+            problems.append(f"--recompute-method {method} does not apply to selective recomputation (Megatron-LM's "
+                            "rule); drop it, or use --recompute-granularity full")
+        if layers is not None:
+            problems.append(f"--recompute-num-layers={layers} does not apply to selective recomputation "
+                            "(Megatron-LM's rule); drop it, or use --recompute-granularity full")
     return problems
 
 
@@ -421,7 +447,10 @@ def derive_fields(args: argparse.Namespace, world_size: int) -> None:
     if not args.group_query_attention:
         args.num_query_groups = args.num_attention_heads
     if args.recompute_activations:  # Megatron-LM's alias
-        args.recompute_granularity = "full"
+        args.recompute_granularity = "selective"
+    if args.recompute_granularity is None and (args.recompute_method or args.recompute_num_layers):
+        warnings.append("--recompute-method / --recompute-num-layers without --recompute-granularity full: no "
+                        "recomputation (as in Megatron-LM); add --recompute-granularity full to use them")
     if isinstance(args.moe_aux_loss_coeff, list):
         args.moe_aux_loss_coeff = args.moe_aux_loss_coeff[0]
     args.moe_layer_freq = parse_layer_freq(args.moe_layer_freq)

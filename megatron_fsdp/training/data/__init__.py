@@ -11,11 +11,14 @@ Modules, one concern each:
 - ``builder.py``: ``build_train_valid_test_datasets`` (megatron-core's builder when it runs
   here, else ours, identical samples), ``train_valid_test_num_samples``,
   ``data_path_problems``.
-- ``byte_corpus.py``: the launcher's earlier byte-level corpus and generated mock data.
+- ``byte_corpus.py``: the launcher's byte-level corpus (and ``MockDataset``, the generated
+  sequences the launcher's ``--mock-data`` gave before it followed Megatron-LM).
 
 ``build_datasets(args)`` is the launcher's one call: with ``--data-path`` it builds
-Megatron's GPT datasets through the tokenizer flags (see ``build_train_valid_test_datasets``);
-with ``--mock-data`` or no data flag it keeps the launcher's earlier sources.
+Megatron's GPT datasets through the tokenizer flags (see ``build_train_valid_test_datasets``),
+with ``--mock-data`` Megatron's mock documents the same way (megatron-core's
+``MockGPTDataset``: the same seed gives the same samples as Megatron-LM); with no data
+flag it reads the byte-level corpus in ``data/``.
 """
 
 from __future__ import annotations
@@ -91,18 +94,17 @@ def build_tokenizer_from_args(args):
 
 def build_datasets(args) -> tuple[SampleSource, SampleSource | None]:
     """(train, valid) sources for the parsed flags; valid is None when the split has none."""
-    if args.mock_data:
-        train = MockDataset(args.vocab_size, args.seq_length, args.seed)
-        valid = MockDataset(args.vocab_size, args.seq_length, args.seed, offset=1 << 40)
-        return train, valid
-    if args.data_path:
+    mock = bool(getattr(args, "mock_data", False))
+    if mock or args.data_path:
+        # --mock-data: megatron-core's mock documents (MockGPTDataset), so a seed gives the
+        # samples Megatron-LM gives; the split is its fixed 1,1,1 then.
         num_samples = train_valid_test_num_samples(
             train_iters=args.train_iters, global_batch_size=args.global_batch_size,
             eval_interval=args.eval_interval, eval_iters=args.eval_iters,
             train_samples=getattr(args, "train_samples", None))
         datasets = build_train_valid_test_datasets(
-            data_path=args.data_path, split=args.split, seq_length=args.seq_length, seed=args.seed,
-            tokenizer=build_tokenizer_from_args(args), num_samples=num_samples,
+            data_path=None if mock else args.data_path, mock=mock, split=args.split, seq_length=args.seq_length,
+            seed=args.seed, tokenizer=build_tokenizer_from_args(args), num_samples=num_samples,
             cache_path=getattr(args, "data_cache_path", None))
         valid = datasets.valid if args.eval_iters > 0 else None
         if datasets.valid is None and args.eval_iters > 0:
