@@ -185,6 +185,8 @@ def train(args, ctx: StepContext, state: TrainState, train_src, valid_src, metri
         stats.add(result, time.perf_counter() - start)
         state.floating_point_operations_so_far += flops
         metrics.record(state.iteration, result)
+        if dash.active:
+            dashboards_mod.write_moe_scalars(dash, result.load_balancing_loss, state.iteration)
         if dash.active and state.iteration % args.tensorboard_log_interval == 0:
             dashboards_mod.write_training_scalars(
                 dash, args, iteration=state.iteration, consumed_samples=state.consumed_train_samples,

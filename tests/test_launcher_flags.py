@@ -229,6 +229,22 @@ def test_iteration_line_matches_megatron_training_log():
                     "number of skipped iterations:   1 | number of nan iterations:   1 |")
 
 
+def test_iteration_line_has_megatron_moe_load_balancing_loss():
+    stats = IntervalStats()
+    for loss, balancing, skipped in ((2.0, 1.5, False), (float("nan"), 1.0, True), (4.0, 0.5, False)):
+        result = _Result(loss, skipped=skipped, nan=skipped)
+        result.load_balancing_loss = balancing
+        stats.add(result, 0.5)
+    line = format_iteration_line(
+        iteration=3, train_iters=3, consumed_samples=24, stats=stats, throughput=None, learning_rate=None,
+        global_batch_size=8, loss_scale=1.0, grad_norm=None, now=datetime.datetime(2026, 1, 2, 3, 4, 5, 6))
+    # Megatron-core adds the value of every iteration to total_loss_dict and divides by the advanced ones.
+    assert " lm loss: 3.000000E+00 | load_balancing_loss: 1.500000E+00 | loss scale: 1.0 |" in line
+    assert "load_balancing_loss" not in format_iteration_line(
+        iteration=1, train_iters=3, consumed_samples=8, stats=IntervalStats(), throughput=None, learning_rate=None,
+        global_batch_size=8, loss_scale=1.0, grad_norm=None)
+
+
 def test_schedule_does_not_advance_on_skipped_iterations():
     """A NaN iteration (checks off) is skipped: weights, optimizer and learning-rate
     schedule stay where they were, as in Megatron-LM; the iteration still counts."""
@@ -269,7 +285,7 @@ def test_schedule_does_not_advance_on_skipped_iterations():
     assert schedule.num_steps == 2
 
 
-# -- one run: Llama-3-8B-style command line, TensorBoard read back ------------------------------
+# -- one run: Llama-3-8B-style command line (mock data, MoE), TensorBoard read back -------------
 def test_llama_style_run_writes_tensorboard_events(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -290,7 +306,8 @@ def test_llama_style_run_writes_tensorboard_events(tmp_path):
         --log-interval 4 --eval-iters 1 --eval-interval 6 --log-throughput --logging-level 20
         --distributed-timeout-minutes 60 --tensorboard-dir {tb} --log-timers-to-tensorboard --timing-log-level 1
         --log-memory-to-tensorboard --log-validation-ppl-to-tensorboard --log-params-norm --log-num-zeros-in-grad
-        --plot-path none
+        --plot-path none --mock-data --tokenizer-type NullTokenizer --vocab-size 128
+        --num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2
     """
     env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PATH": "/usr/bin:/bin",
            "PYTHONPATH": str(REPO)}
@@ -302,16 +319,19 @@ def test_llama_style_run_writes_tensorboard_events(tmp_path):
     assert len(warnings) == len(set(warnings)) >= 8  # one line per flag with no effect, rank 0 only
     assert "WARNING: --manual-gc" in proc.stdout and "[rank 1] WARNING: --manual-gc" not in proc.stderr
     assert "iteration       12/      12" in proc.stdout and "throughput per GPU" in proc.stdout
+    assert re.search(r"\| lm loss: \S+ \| load_balancing_loss: \S+ \| loss scale", proc.stdout)
     acc = EventAccumulator(str(tb))
     acc.Reload()
     scalars = set(acc.Tags()["scalars"])
     for tag in ("lm loss", "learning-rate", "grad-norm", "params-norm", "num-zeros", "iteration-time",
                 "throughput", "forward-backward-time", "optimizer-time", "mem-rss-bytes", "lm loss validation",
-                "lm loss validation ppl"):
+                "lm loss validation ppl", "load_balancing_loss"):
         assert tag in scalars, (tag, sorted(scalars))
     losses = [e.value for e in acc.Scalars("lm loss")]
     assert [e.step for e in acc.Scalars("lm loss")] == list(range(1, 13))
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.5, losses
+    balancing = acc.Scalars("load_balancing_loss")  # every iteration, as Megatron-core writes it
+    assert [e.step for e in balancing] == list(range(1, 13)) and all(0.5 < e.value < 4 for e in balancing)
     lrs = [e.value for e in acc.Scalars("learning-rate")]
     assert lrs[0] == 0.0 and lrs[2] == pytest.approx(3e-3)  # warmup over 16 samples = 2 iterations
 

@@ -138,6 +138,11 @@ def test_llama3_style_command_fsdp_equals_ddp_every_iteration(tmp_path, family, 
     for it, x, y in zip(a["iterations"], a["lm_loss"], b["lm_loss"]):
         assert abs(x - y) <= 1e-5, f"iteration {it}: Megatron-FSDP {x} vs DDP {y}"
     assert sum(a["lm_loss"][-3:]) / 3 < sum(a["lm_loss"][:3]) / 3 - 0.3, a["lm_loss"]
+    if family == "llama3_moe":  # Megatron-LM's MoE log: the balancing loss (no coefficient), DP-averaged
+        assert "| load_balancing_loss: " in proc.stdout
+        assert len(a["load_balancing_loss"]) == 12 and all(0.5 < v < 4 for v in a["load_balancing_loss"])
+        for x, y in zip(a["load_balancing_loss"], b["load_balancing_loss"]):
+            assert abs(x - y) <= 1e-4
 
 
 def test_async_save_then_finetune_and_no_load_optim(tmp_path):

@@ -412,6 +412,19 @@ def test_moe_gpt_marks_experts_and_reports_aux_loss():
         model(_tokens())
 
 
+def test_moe_load_balancing_loss_is_megatrons_logged_value():
+    """Megatron-core logs each layer's balancing loss without its coefficient, averaged over the MoE layers."""
+    model = _gpt(num_moe_experts=4, moe_aux_loss_coeff=0.01, moe_layer_freq=[1, 1], **LLAMA)
+    assert _gpt().moe_load_balancing_loss() is None
+    model(_tokens())
+    per_layer = [layer.last_aux_loss / 0.01 for layer in model.moe_layers()]
+    assert len(per_layer) == 2 and all(v.item() >= 0.999 for v in per_layer)
+    torch.testing.assert_close(model.moe_load_balancing_loss(), (per_layer[0] + per_layer[1]) / 2)
+    no_aux = _gpt(num_moe_experts=4, moe_aux_loss_coeff=0.0, **LLAMA)
+    no_aux(_tokens())
+    assert no_aux.moe_load_balancing_loss().item() == 0.0  # nothing computed, as in Megatron-core
+
+
 # -- presets ---------------------------------------------------------------------------
 @pytest.mark.parametrize("name, params", [("llama3-8b", 8_030_261_248), ("mixtral-8x7b", 46_702_792_704)])
 def test_real_size_presets_have_the_published_parameter_counts(name, params):

@@ -89,6 +89,21 @@ class GPT(nn.Module):
         for layer in self.moe_layers():
             layer.aux_loss_scale = float(scale)
 
+    def moe_load_balancing_loss(self) -> torch.Tensor | None:
+        """What Megatron-LM logs as ``load_balancing_loss`` for the latest training
+        forward: each MoE layer's switch balancing loss *without* its coefficient
+        (1.0 for perfectly even routing), averaged over the MoE layers, detached.
+        Zero with ``moe_aux_loss_coeff=0`` (nothing is computed then, as in
+        Megatron-core); ``None`` for a dense model."""
+        layers = self.moe_layers()
+        if not layers:
+            return None
+        coeff = self.config.moe_aux_loss_coeff
+        losses = [layer.last_aux_loss for layer in layers if layer.last_aux_loss is not None]
+        if coeff == 0 or not losses:
+            return torch.zeros(())
+        return torch.stack(losses).sum().float().cpu() / (coeff * len(layers))
+
     def moe_aux_loss(self) -> torch.Tensor | None:
         """Sum over MoE layers of the load-balancing loss of the latest training
         forward, detached (for logging; its gradient is already attached). ``None``

@@ -46,6 +46,10 @@ class IntervalStats:
     nan: int = 0
     elapsed_s: float = 0.0
     loss_sum: float = 0.0
+    load_balancing_sum: Optional[float] = None
+    """MoE: the sum of ``load_balancing_loss`` over the interval's iterations, skipped ones
+    included, as Megatron-core adds it to ``total_loss_dict`` (still divided by the
+    advanced iterations); None for dense models."""
 
     @property
     def iterations(self) -> int:
@@ -53,6 +57,9 @@ class IntervalStats:
 
     def add(self, result, elapsed_s: float) -> None:
         self.elapsed_s += elapsed_s
+        balancing = getattr(result, "load_balancing_loss", None)
+        if balancing is not None:
+            self.load_balancing_sum = (self.load_balancing_sum or 0.0) + balancing
         if result.skipped:
             self.skipped += 1
             self.nan += int(result.nan)
@@ -64,6 +71,12 @@ class IntervalStats:
     def mean_loss(self) -> Optional[float]:
         return self.loss_sum / self.advanced if self.advanced else None
 
+    @property
+    def mean_load_balancing_loss(self) -> Optional[float]:
+        if self.load_balancing_sum is None:
+            return None
+        return self.load_balancing_sum / max(self.advanced, 1)
+
 
 def format_iteration_line(*, iteration: int, train_iters: int, consumed_samples: int, stats: IntervalStats,
                           throughput: Optional[float], learning_rate: Optional[float], global_batch_size: int,
@@ -71,7 +84,8 @@ def format_iteration_line(*, iteration: int, train_iters: int, consumed_samples:
                           params_norm: Optional[float] = None, now: Optional[datetime.datetime] = None) -> str:
     """Megatron-LM's ``training_log`` line, field for field: ``throughput`` only with
     ``--log-throughput`` (None otherwise), ``num zeros`` / ``params norm`` only when
-    computed (``--log-num-zeros-in-grad`` / ``--log-params-norm``)."""
+    computed (``--log-num-zeros-in-grad`` / ``--log-params-norm``), and for MoE
+    models (``--num-experts``) ``load_balancing_loss`` after ``lm loss``."""
     ms = 1000.0 * stats.elapsed_s / max(stats.iterations, 1)
     line = f" [{(now or datetime.datetime.now()).strftime('%Y-%m-%d %H:%M:%S.%f')}]"
     line += f" iteration {iteration:8d}/{train_iters:8d} |"
@@ -85,6 +99,9 @@ def format_iteration_line(*, iteration: int, train_iters: int, consumed_samples:
     loss = stats.mean_loss
     if loss is not None and loss >= 0.0:
         line += f" lm loss: {loss:.6E} |"
+    balancing = stats.mean_load_balancing_loss  # MoE models: Megatron-core's name, after lm loss
+    if balancing is not None and balancing >= 0.0:
+        line += f" load_balancing_loss: {balancing:.6E} |"
     line += f" loss scale: {loss_scale:.1f} |"
     if grad_norm is not None:
         line += f" grad norm: {grad_norm:.3f} |"
@@ -180,6 +197,8 @@ class MetricsRecorder:
     lm_loss: list[float] = dataclasses.field(default_factory=list)
     grad_norm: list[Optional[float]] = dataclasses.field(default_factory=list)
     learning_rate: list[float] = dataclasses.field(default_factory=list)
+    load_balancing_loss: list[Optional[float]] = dataclasses.field(default_factory=list)
+    """MoE models' per-iteration ``load_balancing_loss`` (empty for dense models)."""
     validation: list[tuple[int, float]] = dataclasses.field(default_factory=list)
     memory: list[dict] = dataclasses.field(default_factory=list)
 
@@ -188,6 +207,8 @@ class MetricsRecorder:
         self.lm_loss.append(result.lm_loss)
         self.grad_norm.append(result.grad_norm)
         self.learning_rate.append(result.learning_rate)
+        if getattr(result, "load_balancing_loss", None) is not None:
+            self.load_balancing_loss.append(result.load_balancing_loss)
 
     def write(self, path: str, **extra) -> None:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

@@ -1,7 +1,7 @@
 """Dashboards: TensorBoard events (``--tensorboard-dir``) and Weights & Biases
 (``--wandb-project``), written by rank 0 with Megatron-LM's scalar names
 (``lm loss``, ``learning-rate``, ``grad-norm``, ``throughput``, ``iteration-time``,
-``mem-*``, ``lm loss validation ppl``, ``<timer>-time``, ...).
+``mem-*``, ``lm loss validation ppl``, ``<timer>-time``, MoE's ``load_balancing_loss``, ...).
 
 Both packages are optional: TensorBoard events go through
 ``torch.utils.tensorboard`` when the ``tensorboard`` package is installed
@@ -97,6 +97,12 @@ def write_training_scalars(dash: Dashboards, args, *, iteration: int, consumed_s
     for name, value in pairs:
         dash.add_scalar(name, value, iteration)
         dash.add_scalar(name + " vs samples", value, consumed_samples)
+
+
+def write_moe_scalars(dash: Dashboards, load_balancing_loss: Optional[float], iteration: int) -> None:
+    """MoE models: Megatron-core's ``load_balancing_loss`` scalar, every iteration as its
+    ``training_log`` writes it (no "vs samples" twin)."""
+    dash.add_scalar("load_balancing_loss", load_balancing_loss, iteration)
 
 
 def write_memory_scalars(dash: Dashboards, snapshot: dict, iteration: int) -> None:

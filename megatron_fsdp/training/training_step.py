@@ -57,6 +57,9 @@ class StepResult:
     loss_scale: float
     params_norm: Optional[float] = None
     num_zeros: Optional[int] = None
+    load_balancing_loss: Optional[float] = None
+    """MoE models: Megatron-LM's ``load_balancing_loss`` of this iteration (see
+    ``_moe_balancing_loss``); None for dense models."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -84,10 +87,13 @@ def _global_sums(loss_sum: torch.Tensor, tokens: int, device: torch.device) -> t
     return float(stats[0]), int(stats[1])
 
 
-def _forward_backward(ctx: StepContext, source: SampleSource, consumed: int, iteration: int) -> tuple[torch.Tensor, int]:
+def _forward_backward(ctx: StepContext, source: SampleSource, consumed: int,
+                      iteration: int) -> tuple[torch.Tensor, int, Optional[torch.Tensor]]:
+    """(sum of token losses, tokens, sum over micro batches of the MoE balancing loss or None)."""
     bundle, layout = ctx.bundle, ctx.layout
     loss_total = torch.zeros((), dtype=torch.float64)
     tokens_total = 0
+    balancing_total: Optional[torch.Tensor] = None
     scale = ctx.scaler.scale if ctx.scaler is not None else 1.0
     _set_moe_aux_loss_scale(ctx, scale)
     for m in range(layout.num_microbatches):
@@ -99,6 +105,9 @@ def _forward_backward(ctx: StepContext, source: SampleSource, consumed: int, ite
         with sync:
             with ctx.timers.time("forward-compute"), bundle.forward_context(ctx.device):
                 loss_sum, tokens = bundle.loss_fn(inputs, targets)
+            balancing = _moe_balancing_loss(ctx)
+            if balancing is not None:
+                balancing_total = balancing if balancing_total is None else balancing_total + balancing
             if ctx.check_for_nan and not bool(torch.isfinite(loss_sum)):
                 rank = dist.get_rank() if dist.is_initialized() else 0
                 raise NaNLossError(
@@ -110,7 +119,25 @@ def _forward_backward(ctx: StepContext, source: SampleSource, consumed: int, ite
                 (loss_sum * (scale / divisor)).backward()
         loss_total += loss_sum.detach().double().cpu()
         tokens_total += tokens
-    return loss_total, tokens_total
+    return loss_total, tokens_total, balancing_total
+
+
+def _moe_balancing_loss(ctx: StepContext) -> Optional[torch.Tensor]:
+    """The MoE load-balancing loss of the forward just run, as Megatron-LM logs it (the
+    embedded GPT's ``moe_load_balancing_loss``: no coefficient, mean over MoE layers);
+    None for a dense model or one that does not report it."""
+    module = getattr(ctx.bundle.model, "module", ctx.bundle.model)
+    report = getattr(module, "moe_load_balancing_loss", None)
+    return report() if report is not None else None
+
+
+def _dp_mean(value: torch.Tensor, device: torch.device) -> float:
+    """Mean over the data-parallel ranks (Megatron-core averages its MoE metrics over DP)."""
+    value = value.detach().to(device=device, dtype=torch.float64).reshape(1)
+    if dist.is_initialized():
+        dist.all_reduce(value)
+        value /= dist.get_world_size()
+    return float(value)
 
 
 def _set_moe_aux_loss_scale(ctx: StepContext, scale: float) -> None:
@@ -167,8 +194,11 @@ def train_step(ctx: StepContext, state: TrainState, source: SampleSource) -> Ste
     lr = ctx.schedule.apply(bundle.optimizer)
     bundle.optimizer.zero_grad()
     with ctx.timers.time("forward-backward"):
-        loss_sum, tokens = _forward_backward(ctx, source, state.consumed_train_samples, state.iteration + 1)
+        loss_sum, tokens, balancing = _forward_backward(ctx, source, state.consumed_train_samples, state.iteration + 1)
     global_loss, global_tokens = _global_sums(loss_sum, tokens, ctx.device)
+    # Megatron-LM: the per-micro-batch values summed, times 1 / micro batches, averaged over DP.
+    load_balancing = None if balancing is None else \
+        _dp_mean(balancing, ctx.device) / ctx.layout.num_microbatches
     params = bundle.params
     if ctx.per_token_loss:
         # Megatron-FSDP summed over ranks (no DP scaling); DDP always averages, so undo its 1/dp.
@@ -207,6 +237,7 @@ def train_step(ctx: StepContext, state: TrainState, source: SampleSource) -> Ste
         loss_scale=ctx.scaler.scale if ctx.scaler is not None else 1.0,
         params_norm=params_norm,
         num_zeros=num_zeros,
+        load_balancing_loss=load_balancing,
     )
 
 
