@@ -10,6 +10,9 @@ which ``--data-path data/corpus_text_document`` reads, here and in Megatron-LM. 
 Megatron-LM's ``tools/preprocess_data.py`` flags. Input: JSON lines (one document per line,
 text under ``--json-keys``; ``.gz`` too) or plain text, where ``--text-documents`` says what a
 document is (``paragraph``: blocks separated by blank lines, the default; ``line``; ``file``).
+``--split-sentences`` writes ``{prefix}_{key}_sentence`` with one .idx entry per sentence,
+split by NLTK's punkt when nltk and its data are installed, else by the rule-based splitter
+(``--sentence-splitter``; see megatron_fsdp/training/data/sentences.py).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ def _load(module: str, relpath: str):
 
 _indexed = _load("megatron_fsdp.training.data.indexed", "megatron_fsdp/training/data/indexed.py")
 _tokenizers = _load("megatron_fsdp.training.tokenizers", "megatron_fsdp/training/tokenizers.py")
+_sentences = _load("megatron_fsdp.training.data.sentences", "megatron_fsdp/training/data/sentences.py")
 IndexedDatasetWriter, bin_path, idx_path, optimal_dtype = (
     _indexed.IndexedDatasetWriter, _indexed.bin_path, _indexed.idx_path, _indexed.optimal_dtype)
 TOKENIZER_CHOICES, build_tokenizer = _tokenizers.TOKENIZER_CHOICES, _tokenizers.build_tokenizer
@@ -69,8 +73,13 @@ def get_args(argv=None) -> argparse.Namespace:
     g.add_argument("--text-documents", choices=("paragraph", "line", "file"), default="paragraph",
                    help="What one document of a text input is.")
     g.add_argument("--json-keys", nargs="+", default=["text"], help="Keys of each JSON line to tokenize.")
-    g.add_argument("--split-sentences", action="store_true", help="Split documents into sentences (needs nltk).")
+    g.add_argument("--split-sentences", action="store_true",
+                   help="Split documents into sentences (the .idx records each sentence's length).")
     g.add_argument("--keep-newlines", action="store_true", help="With --split-sentences: keep newlines.")
+    g.add_argument("--sentence-splitter", choices=_sentences.SPLITTERS, default="auto",
+                   help="This script's own flag: punkt = NLTK's punkt model as Megatron-LM (installed nltk and "
+                        "data; nothing is downloaded), rule = the documented rule-based splitter of "
+                        "megatron_fsdp/training/data/sentences.py, auto = punkt when available, else rule.")
     g = parser.add_argument_group("tokenization process")
     g.add_argument("--append-eod", action="store_true", help="Append the end-of-document token to each document.")
     g.add_argument("--lang", default="english", help="Language of NLTK's sentence splitter.")
@@ -93,9 +102,10 @@ def get_args(argv=None) -> argparse.Namespace:
         parser.error(f"--workers {args.workers} must be a positive multiple of --partitions {args.partitions}")
     if args.split_sentences:
         try:
-            import nltk  # noqa: F401
-        except ImportError:
-            parser.error("--split-sentences needs the nltk package and its punkt data; install nltk or drop the flag")
+            _, how = _sentences.build_sentence_splitter(args.sentence_splitter, args.lang, args.keep_newlines)
+        except _sentences.SentenceSplitterUnavailable as exc:
+            parser.error(str(exc))
+        print(f"preprocess_data.py: {how}", file=sys.stderr)
     return args
 
 
@@ -151,17 +161,9 @@ def _text_documents(text: str, mode: str) -> list[str]:
 def _init_worker(args) -> None:
     _worker["tokenizer"] = _tokenizer(args)
     _worker["args"] = args
-    _worker["splitter"] = _sentence_splitter(args) if args.split_sentences else None
-
-
-def _sentence_splitter(args):
-    import nltk
-
-    try:
-        return nltk.data.load(f"tokenizers/punkt/{args.lang}.pickle")
-    except LookupError as exc:
-        raise LookupError(f"NLTK's punkt data for {args.lang!r} is not installed (nothing is downloaded here): "
-                          f"{exc}") from None
+    _worker["splitter"] = (_sentences.build_sentence_splitter(args.sentence_splitter, args.lang,
+                                                              args.keep_newlines)[0]
+                           if args.split_sentences else None)
 
 
 def encode(document: dict) -> tuple[dict, dict, int]:

@@ -182,3 +182,49 @@ def test_non_indexed_paths_are_clear_errors(tmp_path):
         IndexedDataset(str(tmp_path / "bad"))
     assert data_path_problems([str(SHIPPED)]) == [] and data_path_problems(["0.3", str(SHIPPED)]) == []
     assert "mixes weights and prefixes" in data_path_problems(["0.3", str(SHIPPED), str(SHIPPED), "x"])[0]
+
+
+# -- --split-sentences ---------------------------------------------------------------------
+def test_rule_sentence_splitter():
+    from megatron_fsdp.training.data.sentences import RuleSentenceSplitter
+
+    text = 'Mr. Smith went to Washington. He met Dr. J. Doe, e.g. at 3.14 p.m. today! Did he? "Yes." The end'
+    assert RuleSentenceSplitter().tokenize(text) == [
+        "Mr. Smith went to Washington.", "He met Dr. J. Doe, e.g. at 3.14 p.m. today!", "Did he?", '"Yes."',
+        "The end"]
+    # --keep-newlines: the whitespace after a sentence stays with it, so newlines survive.
+    assert RuleSentenceSplitter(keep_newlines=True).tokenize("One.\nTwo! three stays. Four.\n\n") == [
+        "One.\n", "Two! three stays. ", "Four.\n\n"]
+    assert RuleSentenceSplitter().tokenize("  ") == [] and RuleSentenceSplitter().tokenize("no end") == ["no end"]
+
+
+def test_preprocess_split_sentences_writes_one_entry_per_sentence(tmp_path):
+    docs = ["Hello there. How are you? Fine, thanks.", "One sentence only"]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs), encoding="utf-8")
+    proc = _preprocess("--input", str(src), "--output-prefix", str(tmp_path / "s"), *BPE, "--split-sentences",
+                       "--sentence-splitter", "rule", "--append-eod", "--workers", "2")
+    assert proc.returncode == 0, proc.stderr
+    assert "rule-based splitter" in proc.stderr
+    ds = IndexedDataset(str(tmp_path / "s_text_sentence"))
+    tok = build_tokenizer("GPT2BPETokenizer", vocab_file=BPE[3], merge_file=BPE[5])
+    sentences = [["Hello there.", "How are you?", "Fine, thanks."], ["One sentence only"]]
+    assert ds.document_indices.tolist() == [0, 3, 4]
+    expected = [tok.tokenize(s) + ([tok.eod] if i == len(doc) - 1 else []) for doc in sentences
+                for i, s in enumerate(doc)]
+    assert [ds[i].tolist() for i in range(len(ds))] == expected
+
+
+def test_preprocess_split_sentences_without_punkt(tmp_path):
+    import importlib.util
+
+    (tmp_path / "t.txt").write_text("A first one. A second one.\n", encoding="utf-8")
+    common = ("--input", str(tmp_path / "t.txt"), "--output-prefix", str(tmp_path / "o"), *BPE, "--split-sentences")
+    if importlib.util.find_spec("nltk") is None:
+        proc = _preprocess(*common, "--sentence-splitter", "punkt")
+        assert proc.returncode == 2 and "needs the nltk package" in proc.stderr and "--sentence-splitter rule" \
+            in proc.stderr
+    proc = _preprocess(*common)  # auto: punkt when installed with its data, else the rule splitter (said so)
+    assert proc.returncode == 0, proc.stderr
+    assert "NLTK punkt" in proc.stderr
+    assert IndexedDataset(str(tmp_path / "o_text_sentence")).sequence_lengths.size == 2

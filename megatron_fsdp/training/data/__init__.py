@@ -11,6 +11,8 @@ Modules, one concern each:
 - ``builder.py``: ``build_train_valid_test_datasets`` (megatron-core's builder when it runs
   here, else ours, identical samples), ``train_valid_test_num_samples``,
   ``data_path_problems``.
+- ``sentences.py``: sentence splitting for ``preprocess_data.py --split-sentences`` (NLTK
+  punkt when installed, else a documented rule-based splitter).
 - ``byte_corpus.py``: the launcher's byte-level corpus (and ``MockDataset``, the generated
   sequences the launcher's ``--mock-data`` gave before it followed Megatron-LM).
 
