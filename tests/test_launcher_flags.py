@@ -414,3 +414,22 @@ def test_recompute_flags_give_identical_losses_and_grads(name):
     assert grads.keys() == grads_r.keys()
     for n in grads:
         assert torch.equal(grads[n], grads_r[n]), n
+
+
+# -- data flags: one validation function ------------------------------------------------------
+def test_data_flags_are_validated_through_data_args_problems(monkeypatch):
+    from megatron_fsdp.training import data as data_mod
+
+    seen = []
+    monkeypatch.setattr(data_mod, "data_args_problems", lambda args: seen.append(args) or ["from data_args_problems"])
+    with pytest.raises(ArgumentError, match="from data_args_problems"):
+        _parse([])
+    assert len(seen) == 1
+    monkeypatch.undo()
+    for extra, message in ((["--split", "0,1,0"], "--split '0,1,0' gives the train split no weight"),
+                           (["--split", "x"], "--split 'x' must be one to three non-negative weights"),
+                           (["--tokenizer-type", "NullTokenizer"], "--tokenizer-type NullTokenizer needs --vocab-size"),
+                           (["--mock-data", "--data-path", "p"], "--mock-data and --data-path are exclusive")):
+        with pytest.raises(ArgumentError) as info:
+            _parse(extra)
+        assert str(info.value).count(message) == 1, str(info.value)  # reported once, not by two checks

@@ -43,7 +43,9 @@ FSDP = ["--use-megatron-fsdp", "--use-distributed-optimizer", "--no-gradient-acc
 
 
 def _env() -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    # This checkout's package, whatever an editable install elsewhere points at.
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     env.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
     return env
 

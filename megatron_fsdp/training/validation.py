@@ -322,40 +322,18 @@ def _precision(args, world_size) -> list[str]:
     return problems
 
 
-def split_weights(split: str) -> list[float]:
-    """``--split`` as floats; quotes around it (a shell script's ``'99,1,0'``) are dropped."""
-    text = split.strip().strip("'\"").replace(" ", "")
-    weights = [float(w) for w in re_split(text)]
-    if not 1 <= len(weights) <= 3 or weights[0] <= 0 or any(w < 0 for w in weights):
-        raise ValueError(split)
-    return weights
-
-
-def re_split(text: str) -> list[str]:
-    return text.replace("/", ",").split(",")  # Megatron-LM accepts 969/30/1 too
-
-
 def _data(args, world_size) -> list[str]:
+    """The data module's validation (``data_args_problems``: data path, mock data, split,
+    tokenizer files) plus this launcher's byte-tokenizer rule."""
     problems = []
-    if args.mock_data and args.data_path:  # Megatron-LM: a single data source
-        problems.append("--mock-data and --data-path are exclusive; pick one data source")
     tokenizer = args.tokenizer_type
-    if tokenizer == TokenizerType.NULL.value:
-        if args.vocab_size is None:
-            problems.append("--tokenizer-type NullTokenizer needs --vocab-size")
-    elif tokenizer in (None, TokenizerType.BYTE.value) and args.vocab_size is not None \
+    if tokenizer in (None, TokenizerType.BYTE.value) and args.vocab_size is not None \
             and args.vocab_size != BYTE_VOCAB_SIZE and not args.mock_data:
         problems.append(f"--vocab-size={args.vocab_size} needs --tokenizer-type NullTokenizer (or --mock-data); "
                         f"the byte tokenizer has {BYTE_VOCAB_SIZE} tokens")
-    try:
-        split_weights(args.split)
-    except ValueError:
-        problems.append(f"--split {args.split!r} must be up to three non-negative weights, train first and > 0, "
-                        "e.g. 969,30,1 or '99,1,0'")
-    from . import data_integration
+    from .data import data_args_problems
 
-    problems += data_integration.validate(args)
-    return problems
+    return problems + data_args_problems(args)
 
 
 def _io(args, world_size) -> list[str]:

@@ -61,8 +61,9 @@ __all__ = [
 
 def data_args_problems(args) -> list[str]:
     """Every problem of the data and tokenizer flags (empty if none), for validation before
-    any process group: --data-path entries that are not indexed datasets, a malformed --split,
-    tokenizer flags without their files, and --mock-data with --data-path."""
+    any process group: --data-path entries that are not indexed datasets, a malformed --split
+    (or one without train weight), tokenizer flags without their files, and --mock-data with
+    --data-path. The launcher's validation calls this one function."""
     from megatron_fsdp.training.data.gpt_dataset import parse_split
     from megatron_fsdp.training.tokenizers import tokenizer_problems
 
@@ -71,7 +72,8 @@ def data_args_problems(args) -> list[str]:
         problems.append("--mock-data and --data-path are exclusive; pick one data source")
     problems += data_path_problems(args.data_path)
     try:
-        parse_split(args.split)
+        if parse_split(args.split)[0] == 0:
+            problems.append(f"--split {args.split!r} gives the train split no weight; put it first, e.g. '969,30,1'")
     except ValueError as exc:
         problems.append(str(exc))
     kind = getattr(args, "tokenizer_type", None)
@@ -113,8 +115,9 @@ def build_datasets(args) -> tuple[SampleSource, SampleSource | None]:
             logger.warning("the validation split of --split %s is empty; evaluation is skipped", args.split)
         return datasets.train, valid
     tokens = load_corpus_tokens(None)
-    weights = [float(w) for w in args.split.replace(" ", "").split(",")]
-    train_w, valid_w, _ = split_windows(tokens.numel(), args.seq_length, weights)
+    from megatron_fsdp.training.data.gpt_dataset import parse_split
+
+    train_w, valid_w, _ = split_windows(tokens.numel(), args.seq_length, parse_split(args.split))
     train = TextDataset(tokens, train_w, args.seq_length, args.seed)
     valid = TextDataset(tokens, valid_w, args.seq_length, args.seed + 1) if len(valid_w) else None
     if valid is None and args.eval_iters > 0:
