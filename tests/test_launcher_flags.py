@@ -433,3 +433,16 @@ def test_data_flags_are_validated_through_data_args_problems(monkeypatch):
         with pytest.raises(ArgumentError) as info:
             _parse(extra)
         assert str(info.value).count(message) == 1, str(info.value)  # reported once, not by two checks
+
+
+def test_mcore_models_refuse_what_the_local_spec_cannot_build(monkeypatch):
+    from megatron_fsdp import device as device_mod
+
+    pytest.importorskip("megatron.core")
+    monkeypatch.setattr(device_mod, "cuda_available", lambda: True)
+    mcore = ["--use-mcore-models", "--distributed-backend", "nccl"]
+    with pytest.raises(ArgumentError, match="--apply-layernorm-1p with --use-mcore-models"):
+        _parse(mcore + ["--apply-layernorm-1p"])
+    with pytest.raises(ArgumentError, match=re.escape("--moe-layer-freq [0,1] with --use-mcore-models")):
+        _parse(mcore + ["--num-experts", "2", "--moe-layer-freq", "[0,1]"])
+    assert _parse(mcore + ["--num-experts", "2"]).use_mcore_models

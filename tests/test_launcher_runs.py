@@ -236,3 +236,45 @@ def test_wandb_project_logs_offline_through_wandb(tmp_path):
     losses = [r for r in records if "log" in r and "lm loss" in r["log"]]
     assert [r["step"] for r in losses] == [1, 2, 3]
     assert records[-1] == {"finish": True}
+
+
+# -- DDP and MoE: no search for unused parameters -------------------------------------------
+def _ddp_moe_task(rank: int, world: int) -> dict:
+    from unittest import mock
+
+    import torch
+
+    from megatron_fsdp.models import GPT, GPTConfig, gpt_loss, moe
+    from megatron_fsdp.training.model_setup import needs_find_unused_parameters
+
+    def to_first_two(logits, topk, pre_softmax=False):  # experts 2 and 3 get no token at all
+        probs = torch.softmax(logits[:, :topk], dim=-1)
+        return probs, torch.arange(topk).expand(logits.shape[0], topk)
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=64,
+                          num_moe_experts=4, moe_router_topk=2, moe_aux_loss_coeff=1e-2))
+    find_unused = needs_find_unused_parameters(model)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=find_unused)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(rank))
+    with mock.patch.object(moe, "route", to_first_two):
+        for _ in range(3):  # DDP would fail from the 2nd iteration on if a gradient were missing
+            opt.zero_grad()
+            gpt_loss(ddp(tokens[:, :-1]), tokens[:, 1:]).backward()
+            opt.step()
+    idle = model.blocks[0].mlp.experts[3].fc.weight.grad
+    return dict(find_unused=find_unused, idle_grad_is_zero=idle is not None and bool((idle == 0).all()))
+
+
+def test_ddp_moe_needs_no_unused_parameter_search(pool2):
+    assert pool2.run(_ddp_moe_task) == [dict(find_unused=False, idle_grad_is_zero=True)] * 2
+    import torch
+
+    from megatron_fsdp.models.moe import mark_expert_parameters
+    from megatron_fsdp.training.model_setup import needs_find_unused_parameters
+
+    other = torch.nn.Linear(2, 2)
+    assert not needs_find_unused_parameters(other)
+    mark_expert_parameters(other)  # an MoE model this launcher does not know: DDP searches
+    assert needs_find_unused_parameters(other)

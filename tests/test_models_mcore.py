@@ -101,3 +101,55 @@ def test_build_refuses_what_megatron_core_cannot_run():
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="needs CUDA.*drop --use-mcore-models"):
             build_mcore_gpt(GPTConfig(**SMALL))
+
+
+# -- the launcher's --use-mcore-models checkpoints -------------------------------------------
+LAUNCHER_TINY = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+                 "--max-position-embeddings 16 --micro-batch-size 2 --lr 1e-3 --train-iters 1 --use-mcore-models")
+LAUNCHER_MODELS = {
+    "gpt": "",
+    "llama_moe": ("--swiglu --normalization RMSNorm --position-embedding-type rope --group-query-attention "
+                  "--num-query-groups 2 --untie-embeddings-and-output-weights --disable-bias-linear "
+                  "--num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2"),
+}
+
+
+def launcher_checkpoint_keys_worker(rank, world, *, flags, directory):
+    """The model keys the launcher's --save writes, and megatron-core GPTModel's own."""
+    import functools
+
+    import torch.distributed.checkpoint as dcp
+
+    from megatron_fsdp import device as device_mod
+    from megatron_fsdp.models import mcore as mcore_models
+    from megatron_fsdp.training import checkpointing
+    from megatron_fsdp.training.arguments import parse_args
+    from megatron_fsdp.training.model_setup import gpt_config_from_args, setup_model_and_optimizer
+
+    # Validation refuses --use-mcore-models without CUDA; the shim provides what megatron-core needs.
+    with mock.patch.object(device_mod, "cuda_available", lambda: True):
+        args = parse_args(f"{LAUNCHER_TINY} {flags} --distributed-backend nccl".split(), world_size=world)
+    with _mcore_on_cpu(), mock.patch.object(mcore_models, "build_mcore_gpt",
+                                            functools.partial(mcore_models.build_mcore_gpt, allow_cpu=True)):
+        bundle = setup_model_and_optimizer(args, torch.device("cpu"))
+        checkpointing.save(directory, 1, bundle.model, bundle.optimizer, {})
+        torch.manual_seed(0)
+        own = mcore_models.build_mcore_gpt(gpt_config_from_args(args), allow_cpu=True)
+    metadata = dcp.FileSystemReader(checkpointing.checkpoint_dir(directory, 1)).read_metadata().state_dict_metadata
+    saved = sorted(k.removeprefix("model.") for k in metadata if k.startswith("model."))
+    return dict(saved=saved, own=sorted(own.state_dict()), wrapper=type(bundle.model).__name__)
+
+
+@pytest.mark.parametrize("wrapper", ["fsdp", "ddp"])
+@pytest.mark.parametrize("model", list(LAUNCHER_MODELS))
+def test_launcher_saves_megatron_core_keys(pool2, tmp_path, model, wrapper):
+    flags = LAUNCHER_MODELS[model] + (" --use-megatron-fsdp" if wrapper == "fsdp" else "")
+    result = pool2.run(launcher_checkpoint_keys_worker, flags=flags, directory=str(tmp_path))[0]
+    assert result["wrapper"] == ("FullyShardedDataParallel" if wrapper == "fsdp" else "DistributedDataParallel")
+    assert result["saved"] == result["own"]  # megatron-core's names, no wrapper prefix
+    weights = [k for k in result["saved"] if not k.endswith("_extra_state")]
+    assert "embedding.word_embeddings.weight" in weights and "decoder.layers.0.self_attention.linear_qkv.weight" \
+        in weights
+    if model == "llama_moe":
+        assert "decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight" in weights
+        assert "decoder.layers.0.mlp.router.weight" in weights and "output_layer.weight" in weights

@@ -77,9 +77,19 @@ def set_rng_state(state: dict[str, Any], device: torch.device = torch.device("cp
     device_mod.set_rng_state(state.get("device"), device)
 
 
+def checkpoint_module(model):
+    """The module whose ``state_dict`` a checkpoint holds: PyTorch DDP's inner module, so
+    the keys are the model's own (``decoder.layers.0.self_attention.linear_qkv.weight`` for
+    megatron-core's GPTModel, ``blocks.0.attn.qkv.weight`` for the embedded GPT) under DDP
+    as under Megatron-FSDP, whose wrapper already answers with them; the parameters are
+    shared, so loading into it loads the wrapped model."""
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+
 def save(root: str, iteration: int, model, optimizer, extra_state: dict) -> str:
     """Collective: every rank saves its part, then rank 0 moves the tracker."""
     directory = checkpoint_dir(root, iteration)
+    model = checkpoint_module(model)
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
         os.makedirs(root, exist_ok=True)
@@ -124,7 +134,7 @@ class AsyncSaver:
         torch.save(extra_state, os.path.join(tmp, EXTRA_STATE_FILE.format(rank=rank)))
         # A private copy first: ZeRO-3 releases (resizes to zero) storages that DCP's own
         # stager would try to copy whole; compact clones keep the DCP chunk metadata.
-        staged = tree_map(clone_for_load, _state(model, optimizer))
+        staged = tree_map(clone_for_load, _state(checkpoint_module(model), optimizer))
         future = dcp.async_save(staged, checkpoint_id=tmp, process_group=self._group)
         self._pending = (future, root, tmp, iteration)
         logger.info("  started an asynchronous save of iteration %7d to %s", iteration, root)
@@ -162,6 +172,6 @@ def load(root: str, model, optimizer, step: Optional[int] = None) -> Optional[di
             f"{source} names iteration {iteration} but {directory} does not exist; point --load at a complete "
             "checkpoint directory (or --ckpt-step at a saved iteration)"
         )
-    extra = _checkpoint_api().load_checkpoint(directory, model, optimizer)
+    extra = _checkpoint_api().load_checkpoint(directory, checkpoint_module(model), optimizer)
     logger.info("  successfully loaded checkpoint from %s [ iteration %d ]", root, iteration)
     return extra

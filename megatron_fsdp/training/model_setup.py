@@ -2,8 +2,8 @@
 and build its optimizer, from the parsed flags.
 
 The embedded GPT (``megatron_fsdp.models.gpt``) is the default; ``--use-mcore-models``
-swaps in Megatron-core's GPTModel through ``megatron_fsdp.megatron_core_compat``,
-imported only then so megatron-core stays optional.
+swaps in Megatron-core's GPTModel with the same architecture through
+``megatron_fsdp.models.mcore``, imported only then so megatron-core stays optional.
 
 [Note: mixed precision under DDP] With ``--use-megatron-fsdp`` and ``--bf16/--fp16``
 the model is cast before wrapping and Megatron-FSDP keeps fp32 main weights (per
@@ -231,6 +231,10 @@ def _materialize(module: nn.Module, device: torch.device) -> nn.Module:
 
 
 def _build_mcore_model(args, device: torch.device):
+    """megatron-core's GPTModel (local spec) with the architecture the flags give the
+    embedded GPT (``megatron_fsdp.models.mcore.build_mcore_gpt``: MoE, recomputation,
+    RoPE, GQA, ... carried over; what the local spec cannot express was refused by
+    validation). Its state dict keys are megatron-core's own."""
     try:
         import megatron.core  # noqa: F401
     except ImportError as exc:
@@ -238,15 +242,11 @@ def _build_mcore_model(args, device: torch.device):
             "--use-mcore-models needs megatron-core, which is not installed; install it with "
             "`pip install --no-deps megatron-core` (see README), or drop --use-mcore-models to train the embedded GPT"
         ) from exc
-    try:
-        from megatron_fsdp.megatron_core_compat import build_megatron_core_gpt
-    except ImportError as exc:
-        raise RuntimeError(
-            "--use-mcore-models needs megatron_fsdp.megatron_core_compat.build_megatron_core_gpt, which this "
-            f"checkout does not provide ({exc}); update megatron_fsdp or drop --use-mcore-models"
-        ) from exc
+    from megatron_fsdp.models import mcore as mcore_models
+
     torch.manual_seed(args.seed)
-    module = build_megatron_core_gpt(args)
+    module = mcore_models.build_mcore_gpt(gpt_config_from_args(args), seed=args.seed,
+                                          params_dtype=_PRECISION_DTYPES[args.precision])
     if not args.init_model_with_meta_device:
         module = module.to(device)
 
@@ -335,13 +335,26 @@ def _hsdp_kwargs(args, device: torch.device) -> dict:
                 hybrid_fsdp_group=dist.group.WORLD)
 
 
-def _wrap_ddp(module: nn.Module, args, device: torch.device) -> nn.Module:
-    device_ids = [device.index] if device.type == "cuda" else None
+def needs_find_unused_parameters(module: nn.Module) -> bool:
+    """Whether PyTorch DDP must look for parameters without a gradient after each backward.
+
+    Not for the two models this launcher builds, MoE included: every expert runs every
+    step, on the (possibly empty) slice of tokens routed to it, so an expert no token
+    picked still gets a gradient (zeros) -- the embedded GPT's ``MoELayer`` by design (see
+    megatron_fsdp/models/moe.py), megatron-core's ``SequentialMLP`` by splitting the tokens
+    per expert. The search costs a graph traversal per iteration, so it is kept for an
+    MoE model this launcher does not know."""
     from megatron_fsdp.models import has_expert_parameters
 
-    # An expert that no token picked in a step has no gradient; DDP must not wait for it.
+    if isinstance(module, GPT) or type(module).__module__.startswith("megatron.core."):
+        return False
+    return has_expert_parameters(module)
+
+
+def _wrap_ddp(module: nn.Module, args, device: torch.device) -> nn.Module:
+    device_ids = [device.index] if device.type == "cuda" else None
     return nn.parallel.DistributedDataParallel(module, device_ids=device_ids,
-                                               find_unused_parameters=has_expert_parameters(module))
+                                               find_unused_parameters=needs_find_unused_parameters(module))
 
 
 # -- optimizer --------------------------------------------------------------------

@@ -164,12 +164,28 @@ def _model_features(args, world_size) -> list[str]:
         problems.append(f"--moe-aux-loss-coeff {' '.join(map(str, coeffs))}: one coefficient per load-balancing "
                         "type is not implemented here; pass one value")
     if args.use_mcore_models:
-        return problems
+        return problems + _mcore_model_problems(args)
     from .model_setup import missing_model_fields
 
     for flag, field in missing_model_fields(args):
         problems.append(f"{flag} needs the embedded model's GPTConfig.{field}, which this checkout does not have; "
                         "update megatron_fsdp (megatron_fsdp/models) or drop the flag")
+    return problems
+
+
+def _mcore_model_problems(args) -> list[str]:
+    """What megatron-core's local layer spec cannot build (``models.mcore.mcore_unsupported``)."""
+    problems = []
+    if args.layernorm_zero_centered_gamma:
+        problems.append("--apply-layernorm-1p with --use-mcore-models: megatron-core's local layer spec has no "
+                        "zero-centred norms (TransformerEngine's do); drop one of the two")
+    try:
+        freq = parse_layer_freq(args.moe_layer_freq)
+    except (ValueError, SyntaxError):
+        freq = 1  # reported by _model_features
+    if args.num_experts is not None and freq not in (1, [1] * (args.num_layers or 0)):
+        problems.append(f"--moe-layer-freq {args.moe_layer_freq} with --use-mcore-models: only every layer MoE is "
+                        "mapped onto megatron-core's model here; use --moe-layer-freq 1 or the embedded GPT")
     return problems
 
 
