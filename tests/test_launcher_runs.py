@@ -67,12 +67,10 @@ def metrics(path: Path) -> dict:
 def data_flags(tmp_path_factory) -> list[str]:
     """Megatron's data flags for an indexed BPE dataset of data/corpus.txt, built here by
     scripts/preprocess_data.py with the shipped GPT-2 BPE vocabulary; the byte-level
-    corpus (no flags) in a checkout without the indexed-data module."""
-    from megatron_fsdp.training import data_integration
-
+    corpus (no flags) in a checkout without the vocabulary."""
     vocab, merges = REPO / "data" / "bpe" / "vocab.json", REPO / "data" / "bpe" / "merges.txt"
     preprocess = REPO / "scripts" / "preprocess_data.py"
-    if not (data_integration.has_indexed_data() and preprocess.is_file() and vocab.is_file()):
+    if not (preprocess.is_file() and vocab.is_file()):
         return []
     out = tmp_path_factory.mktemp("bpe_data")
     subprocess.run([sys.executable, str(preprocess), "--input", str(REPO / "data" / "corpus.txt"),

@@ -1,10 +1,10 @@
-"""The launcher's side of the data module: validation of the data flags, the
-model's vocabulary size from the tokenizer, and the (train, valid) sources.
+"""The launcher's side of the data module: the model's vocabulary size from the
+tokenizer, and the (train, valid) sources.
 
 The data module (``megatron_fsdp/training/data``) owns datasets and tokenizers; the
 launcher asks it through two calls: ``data_args_problems`` (every problem of
-``--data-path``/``--mock-data``/``--split`` and the tokenizer flags, before any process
-group) and ``build_datasets``.
+``--data-path``/``--mock-data``/``--split`` and the tokenizer flags, called by
+validation before any process group) and ``build_datasets`` (here).
 """
 
 from __future__ import annotations
@@ -14,16 +14,6 @@ from .arg_types import TokenizerType
 from .validation import padded_vocab_size
 
 _LOCAL_TOKENIZERS = (TokenizerType.BYTE.value, TokenizerType.NULL.value)
-
-
-def has_indexed_data() -> bool:
-    """Kept for callers that probed for the data module (it is always there now)."""
-    return True
-
-
-def validate(args) -> list[str]:
-    """The data flags' problems, through the data module's one validation function."""
-    return data_mod.data_args_problems(args)
 
 
 def build_sources(args):

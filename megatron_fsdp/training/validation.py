@@ -54,8 +54,8 @@ def flag_policy(args: argparse.Namespace, given: dict[str, FlagSpec]) -> tuple[l
 
 def collect_problems(args: argparse.Namespace, world_size: int) -> list[str]:
     problems: list[str] = []
-    for rule in (_required, _model_shape, _model_features, _recompute, _batch, _schedule, _data_parallel, _megatron_fsdp,
-                 _precision, _data, _io, _optional_packages):
+    for rule in (_required, _model_shape, _model_features, _recompute, _batch, _schedule, _data_parallel,
+                 _megatron_fsdp, _precision, _data, _io, _optional_packages):
         problems += rule(args, world_size)
     return problems
 
