@@ -26,6 +26,7 @@ from .marks import is_fsdp_no_shard
 from .meta_init import has_meta_tensors, materialize_meta_module
 from .mixed_precision import MixedPrecisionPolicy
 from .param_and_grad_buffer import ParamAndGradBuffer
+from .param_swap import RegisteredParams
 from .units import NO_SHARD_UNIT_SIZE, UnitSpec, merge_units, slot_plan, split_into_parameter_owners
 
 logger = logging.getLogger(__name__)
@@ -107,7 +108,9 @@ class MegatronFSDP(nn.Module):
 
     ``parameters()`` / ``named_parameters()`` / ``state_dict()`` expose the
     *distributed* parameters (sharded main weights, DTensors when sharded), which
-    is what the optimizer updates; ``self.module`` keeps its compute parameters.
+    is what the optimizer updates. Between steps ``self.module`` has the same
+    parameters registered; its compute parameters only while it runs
+    (param_swap.py [Note: registered parameters]).
     """
 
     def __init__(
@@ -228,6 +231,10 @@ class MegatronFSDP(nn.Module):
         self._snapshot_weights()
         self.broadcast_buffers = broadcast_buffers
         self._buffers_need_sync = True
+        self._registered = RegisteredParams(
+            module, {c: d for g in buffer.groups for c, d in zip(g.params, g.dist_params)}
+        )
+        self._registered.register_dist()
 
     # -- construction helpers -----------------------------------------------------
     def _check_supported(self) -> None:
@@ -305,7 +312,12 @@ class MegatronFSDP(nn.Module):
         # As DDP: a forward that will sync gradients makes the next forward sync buffers.
         self._buffers_need_sync = torch.is_grad_enabled() and self._sync_enabled()
         self._runtime.root_pre_forward()
-        output = self.module(*args, **kwargs)
+        # [Note: registered parameters]: the module's code reads compute weights.
+        self._registered.register_compute()
+        try:
+            output = self.module(*args, **kwargs)
+        finally:
+            self._registered.register_dist()
         return self._runtime.root_post_forward(output)
 
     # -- gradient synchronisation --------------------------------------------------
@@ -341,6 +353,8 @@ class MegatronFSDP(nn.Module):
     def _on_backward_start(self) -> None:
         """Before gradients accumulate: zero what the user cleared (``optimizer.zero_grad()``,
         ``model.zero_grad()``, ``p.grad = None``), rebase what holds a reduced value."""
+        # Recomputed forwards inside backward read compute weights ([Note: registered parameters]).
+        self._registered.register_compute()
         buffer = self.param_and_grad_buffer
         for group in buffer.grad_groups:
             cleared = buffer.cleared_grads(group)
@@ -349,6 +363,7 @@ class MegatronFSDP(nn.Module):
         self.grad_reduce_pipeline.begin_backward()
 
     def _on_backward_end(self) -> None:
+        self._registered.register_dist()
         self.backward_since_step = True
         if self._sync_enabled():
             self.finish_grad_sync()
@@ -543,13 +558,13 @@ class MegatronFSDP(nn.Module):
         self._check_edits = False
 
     def _sync_requires_grad(self) -> None:
-        """``requires_grad`` set on either twin (the module's compute parameter or the
-        distributed parameter in ``model.parameters()``) since the last forward
-        applies to both; a group frozen at wrapping gets gradient buffers once a
-        parameter of it is unfrozen."""
-        buffer = self.param_and_grad_buffer
-        for group in buffer.groups:
-            for index, (compute, dist_param) in enumerate(zip(group.params, group.dist_params)):
+        """``requires_grad`` set on either twin (between steps the module's parameters
+        are the distributed ones; a reference taken before wrapping is the compute
+        one) since the last forward applies to both; a group frozen at wrapping gets
+        gradient buffers once a parameter of it is unfrozen."""
+        for group in self.param_and_grad_buffer.groups:
+            changed = []
+            for compute, dist_param in zip(group.params, group.dist_params):
                 last = self._requires_grad[compute]
                 if dist_param.requires_grad != last:
                     value = dist_param.requires_grad
@@ -560,8 +575,11 @@ class MegatronFSDP(nn.Module):
                 self._requires_grad[compute] = value
                 compute.requires_grad_(value)
                 dist_param.requires_grad_(value)
-                if value and group.main_grads is None:
-                    self._enable_grads(group)
+                changed.append((compute, value))
+            # After the whole group is updated: gradient hooks need requires_grad set.
+            if group.main_grads is None and any(value for _, value in changed):
+                self._enable_grads(group)
+            for compute, value in changed:
                 view = self.grad_reduce_pipeline.grad_view_of(compute)
                 compute.grad = view if value else None
 
@@ -645,6 +663,7 @@ class MegatronFSDP(nn.Module):
         values, without hooks (``fully_shard`` calls this when building the optimizer
         fails, so that it is all or nothing). Collective."""
         self._runtime.remove()
+        self._registered.register_compute()
         self.all_gather_pipeline.wait_all()
         self.grad_reduce_pipeline.wait_all()
         for group in self.param_and_grad_buffer.groups:
@@ -687,7 +706,7 @@ def _check_module(module: nn.Module, device: torch.device, *, allow_meta: bool =
                 f"cannot wrap {type(module).__name__}: {where} is already a data-parallel wrapper "
                 f"({type(sub).__name__}); wrap the plain model once, with one of megatron_fsdp, FSDP or DDP"
             )
-    wrapped = [p for p in module.parameters() if p in _COMPUTE_OWNERS] or ([module] if module in _WRAPPED else [])
+    wrapped = [p for p in module.parameters() if p in _COMPUTE_OWNERS or p in _OWNERS] or ([module] if module in _WRAPPED else [])
     if wrapped:
         raise ValueError(
             f"{type(module).__name__} (or a submodule of it) is already wrapped by megatron_fsdp: its parameters "

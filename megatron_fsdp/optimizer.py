@@ -128,8 +128,8 @@ def bind_optimizer(optimizer: torch.optim.Optimizer, *, create_state: bool = Tru
 def _foreign_param_message(param: torch.Tensor) -> str:
     if compute_owner_of(param) is not None:
         return (
-            "the optimizer holds a parameter of the wrapped module itself (model.module.parameters()): those "
-            "are compute weights that megatron_fsdp overwrites after every step. Build the optimizer from the "
+            "the optimizer holds a compute parameter of the wrapped module (a reference taken before wrapping): "
+            "those are compute weights that megatron_fsdp overwrites after every step. Build the optimizer from the "
             "wrapper's parameters instead: opt = Opt(model.parameters()) (likewise clip_grad_norm_(model.parameters(), ...))"
         )
     return (
@@ -268,8 +268,8 @@ def rebuild_optimizer(old: torch.optim.Optimizer, module: torch.nn.Module, model
     """A new optimizer of ``old``'s class, hyper-parameters and param-group layout over
     ``model``'s distributed parameters. Only the keywords its ``__init__`` accepts
     are passed (``defaults`` also holds derived entries some versions add)."""
-    # Compute parameters were re-pointed into buffers but are the same objects.
-    dist_of = {id(module.get_parameter(name)): dist_param for name, dist_param in model.named_parameters()}
+    # ``old`` holds the module's original parameters: the compute twins of the distributed ones.
+    dist_of = {id(c): d for g in model.param_and_grad_buffer.groups for c, d in zip(g.params, g.dist_params)}
     accepted = _init_keywords(type(old))
     groups = []
     for group in old.param_groups:

@@ -15,9 +15,10 @@ HFSDP splits each main-weight shard once more across the outer group (the
 "optimizer layout"); main gradients keep the dp-shard layout, because that is what
 the dp-shard reduce-scatter produces and accumulates.
 
-The module's own parameters ("compute parameters") stay registered on their
-modules; their ``.data`` is re-pointed into the model-weight bucket, so gathering a
-bucket makes every parameter of the group usable at once with no copy.
+The module's own parameters ("compute parameters") have their ``.data``
+re-pointed into the model-weight bucket, so gathering a bucket makes every
+parameter of the group usable at once with no copy. They are registered on the
+module only while it runs (param_swap.py [Note: registered parameters]).
 """
 
 from __future__ import annotations
@@ -41,6 +42,13 @@ from .units import plan_merge
 from .utils import make_fsdp_dtensor  # noqa: F401  upstream's home of it: Megatron-LM imports it from here
 
 logger = logging.getLogger(__name__)
+
+MEGATRON_PARAM_ATTRS = (
+    "allreduce", "sequence_parallel", "shared", "tensor_model_parallel", "partition_dim", "partition_stride",
+    "is_embedding_or_output_parameter", "is_embedding_parameter", "_tensor_parallel_mode",
+)
+"""Attributes Megatron sets on parameters and reads back (expert-ness, tensor
+parallelism, embeddings): copied onto the distributed twins, as upstream does."""
 
 ROOT_UNIT = None
 """Unit id of parameters outside every FSDP unit (or shared by several units)."""
@@ -174,9 +182,16 @@ class ParamAndGradBuffer:
             if unit_slots is None
             else BufferPool(self.accounting, unit_slots)
         )
-        self.param_names: dict[nn.Parameter, str] = {p: name for name, p in module.named_parameters()}
+        self._compute_names: dict[nn.Parameter, str] = {p: name for name, p in module.named_parameters()}
+        """Compute parameter -> name, in the module's ``named_parameters`` order."""
+        self.param_names: dict[nn.Parameter, str] = dict(self._compute_names)
+        """Compute *or* distributed parameter -> name: the module registers either
+        (param_swap.py [Note: registered parameters]), and lookups by a parameter
+        walked from the module must find both."""
         self._bucket_views: dict[nn.Parameter, torch.Tensor] = {}
         self.groups: list[ParameterGroup] = self._build_groups(module, unit_modules)
+        for group in self.groups:
+            self.param_names.update(zip(group.dist_params, group.names))
         self._slot = {p: (g, i) for g in self.groups for i, p in enumerate(g.params)}
         self._dist_slot = {p: (g, i) for g in self.groups for i, p in enumerate(g.dist_params)}
         self._grad_views: dict[nn.Parameter, torch.Tensor] = {}
@@ -186,10 +201,10 @@ class ParamAndGradBuffer:
     # -- construction ----------------------------------------------------------
     def _build_groups(self, module: nn.Module, unit_modules: Sequence[Sequence[nn.Module]]) -> list[ParameterGroup]:
         unit_of = assign_units(module, unit_modules)
-        root_owner = root_owners(self.param_names, unit_of, self.root_merge_limit)
+        root_owner = root_owners(self._compute_names, unit_of, self.root_merge_limit)
         keyed: dict[tuple, list[nn.Parameter]] = {}
         filled: dict[tuple, tuple[int, int]] = {}  # kind -> (current bucket, its numel)
-        for p, name in self.param_names.items():
+        for p, name in self._compute_names.items():
             owner = root_owner[name.split(".")[0]] if unit_of[p] is ROOT_UNIT else -1
             kind = (unit_of[p], owner, p.dtype, p.requires_grad, is_expert_param(p), is_fsdp_no_shard(p))
             bucket, numel = filled.get(kind, (0, 0))
@@ -263,7 +278,7 @@ class ParamAndGradBuffer:
             strategy=strategy,
             dp=dp,
             params=params,
-            names=[self.param_names[p] for p in params],
+            names=[self._compute_names[p] for p in params],
             layout=layout,
             optimizer_layout=optimizer_layout,
             model_weights=model_weights,
@@ -308,7 +323,13 @@ class ParamAndGradBuffer:
         local = self._optimizer_view(group, group.main_weight_source, index)
         # Replicated groups of a no_shard model are Replicate() DTensors too, as upstream's.
         value = self.as_dtensor(group, local, compute)
-        return nn.Parameter(value, requires_grad=compute.requires_grad)
+        dist_param = nn.Parameter(value, requires_grad=compute.requires_grad)
+        # Megatron's conventions, read from the module's parameters (which between
+        # steps are these: param_swap.py), as upstream's distributed parameters carry them.
+        for attr in MEGATRON_PARAM_ATTRS:
+            if hasattr(compute, attr):
+                setattr(dist_param, attr, getattr(compute, attr))
+        return dist_param
 
     def _optimizer_view(self, group: ParameterGroup, buffer: DataParallelBuffer, index: int) -> torch.Tensor:
         """What the optimizer sees of item ``index`` in ``buffer``: the whole item
@@ -347,7 +368,7 @@ class ParamAndGradBuffer:
 
     def named_dist_params(self) -> Iterator[tuple[str, nn.Parameter]]:
         """Distributed parameters in the module's ``named_parameters`` order."""
-        for p, name in self.param_names.items():
+        for p, name in self._compute_names.items():
             group, index = self._slot[p]
             yield name, group.dist_params[index]
 

@@ -87,7 +87,7 @@ def test_parameters_are_distributed_main_weights(pool2, strategy):
     out = pool2.run(exposure_worker, strategy=strategy)[0]
     assert out["names_match"] and out["state_keys_match"] and out["shapes_match"]
     assert out["kinds"] == ["DTensor"]  # no_shard: Replicate() DTensors, as upstream
-    assert not out["inner_dtensors"]
+    assert out["inner_dtensors"]  # between steps the module's parameters are the distributed ones
 
 
 def fresh_optimizer_worker(rank, world, *, strategy):

@@ -139,6 +139,7 @@ def test_failing_factory_leaves_the_module_untouched(pool2, strategy):
 def misuse_worker(rank, world, *, case, strategy):
     torch.manual_seed(0)
     module = make_model("net")
+    originals = list(module.parameters())  # the compute parameters, once wrapped
     model = mf.fully_shard_model(module, fsdp_unit_modules=[Block], zero_dp_strategy=strategy)
     x, y = make_batches("net", 1, batch=4 * world)[0]
     before = mf.get_full_state_dict(model)
@@ -148,11 +149,11 @@ def misuse_worker(rank, world, *, case, strategy):
         elif case == "wrap_submodule_again":
             mf.fully_shard_model(module.blocks[0], zero_dp_strategy=strategy)
         elif case == "optimizer_on_compute_params":
-            opt = torch.optim.SGD(model.module.parameters(), lr=0.1)
+            opt = torch.optim.SGD(originals, lr=0.1)
             loss_fn("net", model(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
             opt.step()
         elif case == "fully_shard_optimizer_on_compute_params":
-            mf.fully_shard_optimizer(torch.optim.SGD(model.module.parameters(), lr=0.1))
+            mf.fully_shard_optimizer(torch.optim.SGD(originals, lr=0.1))
     except (ValueError, TypeError) as exc:
         after = mf.get_full_state_dict(model)
         return str(exc), all(torch.equal(before[k], after[k]) for k in before)

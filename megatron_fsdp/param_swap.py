@@ -1,0 +1,93 @@
+"""Which tensors the wrapped module's registered parameters are.
+
+[Note: registered parameters] Between steps the wrapped module's parameters are
+the *distributed* parameters (the optimizer's, ``MegatronFSDP.parameters()``),
+as in upstream Megatron-FSDP and PyTorch FSDP2. While the module runs, from the
+wrapper's forward until its output is returned, and again from the first
+gradient of a backward until its end-of-backward callback, the *compute*
+parameters (views of the gathered model-weight buckets) are registered, since
+the module's code reads ``self.weight`` and autograd accumulates into them.
+
+So, between steps, anything walking ``model.module`` (an optimizer or
+``clip_grad_norm_`` built on ``model.module.parameters()``, a container holding
+the wrapper, ``torch.compile``'s ``OptimizedModule``, an EMA reading ``p.norm()``)
+sees the main weights and the reduced gradients, never compute weights whose
+storage ZeRO-3 has released.
+
+The swap is root-level (upstream's choice) rather than per unit (FSDP2's):
+registration only decides what the module's code and the user's walks see;
+autograd keeps the compute tensors it saved whatever is registered. Per-unit
+swapping would add work to every unit hook for no gain: units run only inside
+the wrapper's forward and backward, where every compute parameter is valid to
+read (gathered units) or at least as valid as it always was (released units
+are never read by correct code). The backward window also covers activation
+recomputation (hooks.py [Note: activation recomputation]): a checkpointed region
+re-runs its forward inside backward and must read compute weights, whether or
+not it is a unit.
+
+Tied weights (one parameter registered on two modules) stay tied: every
+registration of a compute parameter gets the same distributed twin. The cost is
+one dictionary store per registration per swap, what FSDP2's
+``unsafe_setattr_param`` pays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn as nn
+
+
+@dataclasses.dataclass(frozen=True)
+class _Registration:
+    module: nn.Module
+    name: str
+    compute: nn.Parameter
+    dist: nn.Parameter
+
+
+def _set_param(module: nn.Module, name: str, param: nn.Parameter) -> None:
+    """As FSDP2's ``unsafe_setattr_param``: write ``_parameters`` directly unless the
+    module overrides ``__setattr__`` (then respect the override)."""
+    if getattr(module.__setattr__, "__func__", None) is nn.Module.__setattr__:
+        module._parameters[name] = param
+    else:
+        setattr(module, name, param)
+
+
+class RegisteredParams:
+    """Swaps every registration of a wrapped module's parameters between the compute
+    parameter and its distributed twin."""
+
+    def __init__(self, module: nn.Module, dist_of: dict[nn.Parameter, nn.Parameter]) -> None:
+        """``dist_of``: compute parameter -> distributed parameter, for every parameter
+        the wrapper manages (all of the module's)."""
+        self._registrations: list[_Registration] = []
+        for sub in module.modules():
+            for name, param in sub._parameters.items():
+                if param is None:
+                    continue
+                dist = dist_of.get(param)
+                if dist is None:
+                    raise AssertionError(f"parameter {name!r} of {type(sub).__name__} has no distributed twin")
+                self._registrations.append(_Registration(sub, name, param, dist))
+        self.compute_registered = True
+        """Whether the compute parameters are the registered ones (as at wrapping)."""
+
+    @torch.compiler.disable  # a graph break (hooks.py [Note: hooks under torch.compile])
+    def register_compute(self) -> None:
+        if self.compute_registered:
+            return
+        for r in self._registrations:
+            _set_param(r.module, r.name, r.compute)
+        self.compute_registered = True
+
+    @torch.compiler.disable
+    def register_dist(self) -> None:
+        if not self.compute_registered:
+            return
+        for r in self._registrations:
+            _set_param(r.module, r.name, r.dist)
+        self.compute_registered = False
+
