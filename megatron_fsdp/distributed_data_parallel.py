@@ -451,7 +451,9 @@ class FullyShardedDataParallel(nn.Module):
             )
         full = get_full_state_dict(self.module)
         name_of = {id(p): name for p, name in self.param_and_grad_buffer.param_names.items()}
-        sharded = model.sharded_state_dict(prefix, sharded_offsets, metadata)
+        # Megatron-core reads its parameters' shapes: the compute ones (values replaced below).
+        with self.module.compute_params_registered():
+            sharded = model.sharded_state_dict(prefix, sharded_offsets, metadata)
         matched: set[str] = set()
 
         def with_main_weights(item: Any) -> Any:

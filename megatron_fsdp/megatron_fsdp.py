@@ -356,6 +356,7 @@ class MegatronFSDP(nn.Module):
         # Recomputed forwards inside backward read compute weights ([Note: registered parameters]).
         self._registered.register_compute()
         buffer = self.param_and_grad_buffer
+        buffer.write_back_grad_copies()
         for group in buffer.grad_groups:
             cleared = buffer.cleared_grads(group)
             if cleared:
@@ -367,6 +368,8 @@ class MegatronFSDP(nn.Module):
         self.backward_since_step = True
         if self._sync_enabled():
             self.finish_grad_sync()
+        else:
+            self.param_and_grad_buffer.defer_grads()
 
     def start_grad_sync(self, *unused: Any) -> None:
         self.grad_reduce_pipeline.start_all()
@@ -384,10 +387,13 @@ class MegatronFSDP(nn.Module):
 
     def zero_grad_buffer(self) -> None:
         self.grad_reduce_pipeline.zero()
+        self.param_and_grad_buffer.restore_deferred()
+        self.param_and_grad_buffer.zero_grad_copies()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``optimizer.zero_grad()``: the distributed parameters' gradients and the
         gradient buffers behind them."""
+        self.param_and_grad_buffer.restore_deferred()
         super().zero_grad(set_to_none=set_to_none)
         self.zero_grad_buffer()
         if set_to_none:
@@ -656,6 +662,19 @@ class MegatronFSDP(nn.Module):
         if assign:
             raise ValueError("load_state_dict(assign=True) would replace the sharded buffers; use assign=False")
         return state_dict_mod.load_sharded_state_dict(self, state_dict, strict=strict)
+
+    @contextlib.contextmanager
+    def compute_params_registered(self) -> Iterator[nn.Module]:
+        """``self.module`` with its compute parameters registered, for code that needs
+        the parameters' identity, shape and dtype (Megatron-core's
+        ``sharded_state_dict``) rather than values: under ZeRO-3 their storage is
+        released between steps, so read no value inside (use ``unshard_module()``
+        or ``get_full_state_dict`` for values)."""
+        self._registered.register_compute()
+        try:
+            yield self.module
+        finally:
+            self._registered.register_dist()
 
     @torch.no_grad()
     def unshard_module(self) -> nn.Module:

@@ -39,6 +39,7 @@ from .layout import BucketLayout
 from .marks import is_expert_param, is_fsdp_no_shard
 from .mixed_precision import MixedPrecisionPolicy
 from .units import plan_merge
+from .unsynced_grad import UnsyncedGrad
 from .utils import make_fsdp_dtensor  # noqa: F401  upstream's home of it: Megatron-LM imports it from here
 
 logger = logging.getLogger(__name__)
@@ -197,6 +198,11 @@ class ParamAndGradBuffer:
         self._grad_views: dict[nn.Parameter, torch.Tensor] = {}
         self._attached: dict[nn.Parameter, torch.Tensor] = {}
         """The ``.grad`` each distributed parameter was last given (to see it cleared)."""
+        self._copies_to_write_back = False
+        """Attached gradients include dtype-cast copies not yet written back ([Note: gradient copies])."""
+        self._deferred: dict[nn.Parameter, tuple[UnsyncedGrad, bool]] = {}
+        """Distributed parameter -> (its UnsyncedGrad, whether its attached gradient was
+        present before) ([Note: deferred gradient sync] in unsynced_grad.py)."""
 
     # -- construction ----------------------------------------------------------
     def _build_groups(self, module: nn.Module, unit_modules: Sequence[Sequence[nn.Module]]) -> list[ParameterGroup]:
@@ -388,6 +394,7 @@ class ParamAndGradBuffer:
         PyTorch, a zeroed-but-present gradient stays present). Views of the
         persistent main-grad buffer are built once; a dtype cast (main grads
         narrower than main weights) is made afresh."""
+        self.restore_deferred()
         for group in self.grad_groups:
             used = (global_used or {}).get(group)
             for index, dist_param in enumerate(group.dist_params):
@@ -402,9 +409,62 @@ class ParamAndGradBuffer:
                     wrapped = self.as_dtensor(group, local, group.params[index]) if isinstance(dist_param, DTensor) else local
                     if local.dtype == group.main_grads.dtype:
                         self._grad_views[dist_param] = wrapped
+                    else:
+                        self._copies_to_write_back = True
                     cached = wrapped
                 dist_param.grad = cached
                 self._attached[dist_param] = cached
+
+    @torch.no_grad()
+    def write_back_grad_copies(self) -> None:
+        """[Note: gradient copies] A gradient attached as a dtype-cast copy (main grads
+        narrower than the main weights) is not a view of the buffer, so in-place
+        changes to it (``zero_grad(set_to_none=False)``, clipping) would not reach the
+        buffer that the next backward accumulates into. Before that backward, write
+        such copies back (a round trip of unchanged values is exact), as a view would
+        have carried them. Once per attachment: later backwards accumulate on top."""
+        if not self._copies_to_write_back:
+            return
+        self._copies_to_write_back = False
+        for group in self.grad_groups:
+            for index, dist_param in enumerate(group.dist_params):
+                attached = self._attached.get(dist_param)
+                if attached is None or dist_param.grad is not attached or attached.dtype == group.main_grads.dtype:
+                    continue
+                local = attached._local_tensor if isinstance(attached, DTensor) else attached
+                self._optimizer_view(group, group.main_grads, index).copy_(local)
+
+    @torch.no_grad()
+    def zero_grad_copies(self) -> None:
+        """The buffers were zeroed: so are the gradients attached as copies (views
+        follow the buffer by themselves)."""
+        self._copies_to_write_back = False
+        for group in self.grad_groups:
+            for dist_param in group.dist_params:
+                attached = self._attached.get(dist_param)
+                if attached is not None and dist_param.grad is attached and attached.dtype != group.main_grads.dtype:
+                    attached.zero_()
+
+    def defer_grads(self) -> None:
+        """A backward ended without gradient sync: trainable distributed parameters'
+        ``.grad`` becomes an ``UnsyncedGrad`` until the sync ([Note: deferred gradient sync])."""
+        for group in self.grad_groups:
+            for dist_param in group.dist_params:
+                if not dist_param.requires_grad or dist_param in self._deferred:
+                    continue
+                attached = self._attached.get(dist_param)
+                present = attached is not None and dist_param.grad is attached
+                placeholder = UnsyncedGrad(dist_param)
+                self._deferred[dist_param] = (placeholder, present)
+                dist_param.grad = placeholder
+
+    def restore_deferred(self) -> None:
+        """Put back the ``.grad`` each placeholder stood in for (before attaching the
+        synchronised gradients, or when the buffers are zeroed)."""
+        for dist_param, (placeholder, present) in self._deferred.items():
+            if dist_param.grad is placeholder:
+                dist_param.grad = self._attached[dist_param] if present else None
+        self._deferred.clear()
 
     def cleared_grads(self, group: ParameterGroup) -> list[int]:
         """Items whose attached ``.grad`` someone replaced or set to ``None`` since
@@ -412,6 +472,15 @@ class ParamAndGradBuffer:
         main gradients are to be zeroed before more accumulate. Forgets them."""
         cleared = []
         for index, dist_param in enumerate(group.dist_params):
+            deferred = self._deferred.get(dist_param)
+            if deferred is not None:
+                if dist_param.grad is deferred[0]:
+                    continue  # still accumulating towards a deferred sync
+                # The user dropped the deferred gradients: what accumulated goes too.
+                del self._deferred[dist_param]
+                self._attached.pop(dist_param, None)
+                cleared.append(index)
+                continue
             attached = self._attached.get(dist_param)
             if attached is not None and dist_param.grad is not attached:
                 cleared.append(index)
@@ -420,7 +489,9 @@ class ParamAndGradBuffer:
 
     def detach_grads(self) -> None:
         """Forget attached gradients (the buffers were zeroed explicitly)."""
+        self.restore_deferred()
         self._attached.clear()
+        self._copies_to_write_back = False
 
     def enable_grads(self, group: ParameterGroup) -> None:
         """Give a group frozen at wrapping its main-gradient buffer (a parameter of it

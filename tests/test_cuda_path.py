@@ -266,7 +266,8 @@ def te_worker(rank, world, *, strategy):
         opt.step()
         _reference_step(reference, x, y, ref_opt)
     full = mf.get_full_state_dict(model)
-    fused = [p for p in model.module.parameters() if hasattr(p, "grad_added_to_main_grad")]
+    with model.compute_params_registered() as module:
+        fused = [p for p in module.parameters() if hasattr(p, "grad_added_to_main_grad")]
     return max((full[k] - v.detach()).abs().max().item() for k, v in reference.named_parameters()), len(fused)
 
 

@@ -65,7 +65,8 @@ def mp_parity_worker(rank, world, *, strategy, compute, comm, steps=4):
     _train(model, opt, batches, rank, world, dtype)
     sd = model.state_dict()
     main_dtypes = {(v.to_local() if isinstance(v, DTensor) else v).dtype for v in sd.values()}
-    compute_dtypes = {p.dtype for p in model.module.parameters()}
+    with model.compute_params_registered() as module:
+        compute_dtypes = {p.dtype for p in module.parameters()}
     return _max_diff(model, expected), sorted(map(str, main_dtypes)), sorted(map(str, compute_dtypes))
 
 
@@ -157,11 +158,12 @@ def test_no_extra_memory_when_dtypes_equal(pool2, strategy):
 
 
 def nan_worker(rank, world, *, strategy, mode):
+    module = make_model("net")
+    target = module.blocks[1].fc1.weight  # the compute parameter: the one autograd reaches
     model = mf.fully_shard_model(
-        make_model("net"), fsdp_unit_modules=[Block], zero_dp_strategy=strategy,
+        module, fsdp_unit_modules=[Block], zero_dp_strategy=strategy,
         check_for_nan_in_grad=mode == "check", report_nan_in_param_grad=mode == "report",
     )
-    target = model.module.blocks[1].fc1.weight
     if rank == 1:
         target.register_hook(lambda g: g * float("nan"))
     x, y = make_batches("net", 1, batch=4 * world)[0]
