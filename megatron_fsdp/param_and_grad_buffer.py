@@ -36,7 +36,7 @@ from .buffer import DataParallelBuffer
 from .distributed_index import DataParallelGroups, FSDPDistributedIndex
 from .enums import ShardingStrategy
 from .layout import BucketLayout
-from .marks import is_expert_param, is_fsdp_no_shard
+from .marks import is_expert_param, is_fsdp_no_shard, restore_marks
 from .mixed_precision import MixedPrecisionPolicy
 from .units import plan_merge
 from .unsynced_grad import UnsyncedGrad
@@ -335,6 +335,7 @@ class ParamAndGradBuffer:
         for attr in MEGATRON_PARAM_ATTRS:
             if hasattr(compute, attr):
                 setattr(dist_param, attr, getattr(compute, attr))
+        restore_marks(dist_param, is_fsdp_no_shard(compute))
         return dist_param
 
     def _optimizer_view(self, group: ParameterGroup, buffer: DataParallelBuffer, index: int) -> torch.Tensor:
