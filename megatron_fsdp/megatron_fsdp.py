@@ -669,7 +669,11 @@ class MegatronFSDP(nn.Module):
         the parameters' identity, shape and dtype (Megatron-core's
         ``sharded_state_dict``) rather than values: under ZeRO-3 their storage is
         released between steps, so read no value inside (use ``unshard_module()``
-        or ``get_full_state_dict`` for values)."""
+        or ``get_full_state_dict`` for values). Nests inside a forward or backward,
+        whose registration it leaves as it found it."""
+        if self._registered.compute_registered:
+            yield self.module
+            return
         self._registered.register_compute()
         try:
             yield self.module
