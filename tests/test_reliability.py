@@ -32,7 +32,9 @@ def dead_rank_main(rank, world, port, phase, path, results):
     cfg = mf.DistributedDataParallelConfig(
         data_parallel_sharding_strategy="optim_grads_params", collective_timeout_s=COLLECTIVE_TIMEOUT_S
     )  # explicit: the config default is upstream's no_shard (issue 13)
-    model = mf.MegatronFSDP(make_model("net"), ddp_config=cfg, fsdp_unit_modules=[Block])
+    module = make_model("net")
+    fc1_weight = module.blocks[1].fc1.weight  # the compute parameter (the one autograd reaches), before wrapping
+    model = mf.MegatronFSDP(module, ddp_config=cfg, fsdp_unit_modules=[Block])
     opt = mf.fully_shard_optimizer(torch.optim.AdamW(model.parameters(), lr=0.01))
     x, y = make_batches("net", 1, batch=8)[0]
     # One good step and a good checkpoint first.
@@ -42,7 +44,7 @@ def dead_rank_main(rank, world, port, phase, path, results):
     if phase == "forward":
         model.module.blocks[1].register_forward_pre_hook(lambda *a: _die_on_rank1(rank))
     elif phase == "backward":
-        model.module.blocks[1].fc1.weight.register_hook(lambda g: _die_on_rank1(rank) or g)
+        fc1_weight.register_hook(lambda g: _die_on_rank1(rank) or g)
     elif phase == "checkpoint":
         import torch.distributed.checkpoint as dcp
 

@@ -221,9 +221,10 @@ def no_shard_worker(rank, world, *, strategy, single_param):
         _train(model, opt, batches, rank, world)
     marked = [g for g in model.param_and_grad_buffer.groups if any(n.startswith("blocks.1.fc1.weight") for n in g.names)]
     gathered_labels = {label for kind, label in rec.labels if kind == "all_gather"}
-    weight = base.blocks[1].fc1.weight  # the compute parameter: full on every rank
+    with model.compute_params_registered() as module:
+        weight = module.blocks[1].fc1.weight.detach().clone()  # the compute parameter: full on every rank
     gathered = [torch.empty_like(weight) for _ in range(world)]
-    dist.all_gather(gathered, weight.detach().clone())
+    dist.all_gather(gathered, weight)
     return dict(
         diff=max_param_diff(mf.get_full_state_dict(model), reference),
         gathered_marked=any(g.label in gathered_labels for g in marked),
