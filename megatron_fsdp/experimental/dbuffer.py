@@ -24,6 +24,7 @@ from torch.distributed.tensor.placement_types import Placement
 from .. import collectives
 from ..allocator import StorageResizeAllocator, is_allocated
 from .layout import GlobalLayout, non_leading_numel
+from .dtensor import flat_dtensor
 from .placement import Flat, changed_mesh_axis, validate_placements
 
 __all__ = ["DBuffer"]
@@ -335,13 +336,26 @@ class DBuffer:
         """Tensor ``index`` as a DTensor over this buffer's mesh and placements.
 
         [Note: uneven shards] A rank's rows follow the flat layout, not torch's
-        ``chunk`` split, so DTensor collectives that assume the canonical split
-        (``full_tensor()``, ``redistribute``) would place rows wrongly. Use
-        ``DBuffer.redistribute`` (or ``experimental.full_state_dict``) instead.
+        ``chunk`` split. The DTensor's ``Flat`` placement therefore records each
+        rank's rows, and DTensor's redistribution (``full_tensor()``,
+        ``redistribute``) goes through ``Flat``'s methods, which use them.
         """
         local = self.get_local_tensor(index)
-        return DTensor.from_local(
-            local, self.mesh, self.placements, run_check=False, shape=self.layout.tensor_shapes[index], stride=local.stride()
+        return flat_dtensor(
+            local, self.mesh, self.tensor_placements(index), shape=self.layout.tensor_shapes[index], stride=local.stride()
+        )
+
+    def tensor_placements(self, index: int) -> tuple[Placement, ...]:
+        """This buffer's placements for tensor ``index``: each ``Flat`` records the
+        tensor's rows per rank (see [Note: uneven shards])."""
+        flat_axes = [isinstance(p, Flat) for p in self.placements]
+        if sum(flat_axes) > 1:
+            return tuple(Flat(nested=True) if flat else p for p, flat in zip(self.placements, flat_axes))
+        sizes = [self.mesh.size(axis) for axis in range(self.mesh.ndim)]
+        ranks = [self.mesh.get_local_rank(axis) for axis in range(self.mesh.ndim)]
+        return tuple(
+            Flat(self.layout.rows_per_rank(index, sizes, ranks, flat_axes, axis)) if flat else p
+            for axis, (p, flat) in enumerate(zip(self.placements, flat_axes))
         )
 
     def __repr__(self) -> str:

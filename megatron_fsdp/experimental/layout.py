@@ -89,6 +89,20 @@ class GlobalLayout:
             offset += rank * numel
         return offset, numel
 
+    def rows_per_rank(
+        self, index: int, axis_sizes: Sequence[int], axis_ranks: Sequence[int], flat_axes: Sequence[bool], axis: int
+    ) -> tuple[int, ...]:
+        """Dim-0 rows of tensor ``index`` held by each rank along mesh ``axis``, the
+        other axes at ``axis_ranks`` (what a per-tensor ``Flat`` placement records)."""
+        row = non_leading_numel(self.tensor_shapes[index])
+        rows = []
+        for rank in range(axis_sizes[axis]):
+            ranks = list(axis_ranks)
+            ranks[axis] = rank
+            part = self.overlap(index, *self.local_range(axis_sizes, ranks, flat_axes))
+            rows.append(0 if part is None else part.numel // row)
+        return tuple(rows)
+
     def overlap(self, index: int, offset: int, numel: int) -> Optional[ShardOverlap]:
         """The part of tensor ``index`` inside the global range ``[offset, offset + numel)``."""
         t_start = self.tensor_to_offset[index]

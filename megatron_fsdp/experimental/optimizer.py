@@ -5,12 +5,10 @@ the compute weights after each step."""
 from __future__ import annotations
 
 import itertools
-import weakref
 from typing import Any
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .parameter_group import get_containing_parameter_group, sync_model_weights_from_main_weights
 
@@ -52,30 +50,17 @@ class _GradCaster:
         sync_model_weights_from_main_weights(itertools.chain.from_iterable(g["params"] for g in optimizer.param_groups))
 
 
-# Optimizers adapted by fully_shard_optimizer (they refresh compute weights themselves).
-_ADAPTED: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
-
-
-def _refresh_after_any_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict[str, Any]) -> None:
-    """Global step post-hook: an optimizer not adapted by fully_shard_optimizer still
-    leaves no stale compute weights behind. (DTensor in-place updates do not bump
-    the version counters that could otherwise tell.) Parameters of other models are
-    skipped at the cost of one dictionary lookup each."""
-    if optimizer not in _ADAPTED:
-        sync_model_weights_from_main_weights(itertools.chain.from_iterable(g["params"] for g in optimizer.param_groups))
-
-
-register_optimizer_step_post_hook(_refresh_after_any_step)
-
-
 def fully_shard_optimizer(optimizer: torch.optim.Optimizer, *, precision_aware: bool = False) -> None:
-    """Adapt ``optimizer`` in place (its class and param groups are untouched).
+    """Adapt ``optimizer`` in place (its class and param groups are untouched): step
+    hooks registered on this optimizer only (nothing global) cast gradients where
+    needed and refresh the compute weights after each step. An optimizer not adapted
+    still leaves no stale weights: the next unshard notices the main weights' version
+    counters moved (see ``FsdpParameterGroup._refresh_if_stale``).
 
     Args:
         precision_aware: the optimizer accepts gradients of another dtype than its
             parameters; skip the temporary cast.
     """
-    _ADAPTED.add(optimizer)
     caster = _GradCaster(precision_aware)
     optimizer.register_step_pre_hook(caster.pre)
     optimizer.register_step_post_hook(caster.post)

@@ -1,0 +1,173 @@
+"""The DTensors that expose DBuffer tensors (sharded parameters and gradients).
+
+Their ``Flat`` placements record each rank's rows (placement.py), so DTensor's
+own redistribution is exact. Two things no placement method sees are handled by
+``FlatDTensor``, the DTensor subclass these tensors have:
+
+* sharding propagation labels outputs with plain ``Shard(d)`` (torch.chunk rows):
+  an output of the same rows as a ``Flat`` input is relabelled ``Flat`` (so
+  ``p * 2``, ``p.clone()``, optimizer states stay exact); any other ``Shard`` of
+  a ``Flat`` axis (``p.t()``, ``p.reshape(-1)``) is refused;
+* ``mean`` would average per-rank means (``Partial("avg")``): it is computed as a
+  sum over the count instead, and any other ``Partial("avg")`` from a Flat axis is
+  refused; ``redistribute`` to a plain ``Shard(0)`` (which DTensor treats as a
+  no-op for a dim-0 shard) goes through ``Replicate``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch.distributed import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+from torch.utils._pytree import tree_flatten, tree_map
+
+from .placement import Flat
+
+__all__ = ["FlatDTensor", "flat_dtensor"]
+
+aten = torch.ops.aten
+_MEAN = {aten.mean.default, aten.mean.dim}
+# Full reductions that fail on a rank holding no rows (torch raises there alone,
+# and the other ranks would wait for it in a collective).
+_NO_EMPTY = {aten.max.default, aten.min.default}
+_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
+
+
+class FlatDTensor(DTensor):
+    """A DTensor with ``Flat`` placements (see the module docstring)."""
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        flats = _flat_axes(args, kwargs)
+        if func in _MEAN:
+            return _exact_mean(func, args, kwargs)
+        _refuse_before(func, args, flats)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if func._schema.is_mutable:
+            _bump_versions(func, args, kwargs)
+            if args and isinstance(args[0], FlatDTensor) and isinstance(out, DTensor):
+                return args[0]  # an in-place op returns its input
+        return tree_map(lambda t: _relabel(t, flats, func), out)
+
+    def __reduce_ex__(self, protocol):
+        # This rank's rows only, in storage of their own: the local tensor is a view
+        # of a whole flat buffer, which pickling would otherwise write out entirely.
+        local = self._local_tensor.detach().clone()
+        return _rebuild, (local, self.device_mesh, self.placements, self.shape, self.stride(), self.requires_grad)
+
+    def redistribute(self, device_mesh=None, placements=None, *, async_op=False, **kwargs):  # type: ignore[override]
+        placements = tuple(placements) if placements is not None else None
+        if placements is not None and any(
+            type(new) is Shard and isinstance(old, Flat) for old, new in zip(self.placements, placements)
+        ):
+            # DTensor leaves a dim-0 shard's rows in place when asked for Shard(0):
+            # go through Replicate, from which Shard(0) is torch.chunk's split.
+            staged = tuple(Replicate() if isinstance(p, Flat) else p for p in self.placements)
+            replicated = super().redistribute(device_mesh, staged, async_op=async_op, **kwargs)
+            return replicated.redistribute(device_mesh, placements, async_op=async_op, **kwargs)
+        return super().redistribute(device_mesh, placements, async_op=async_op, **kwargs)
+
+
+def flat_dtensor(
+    local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement], *, shape: torch.Size, stride
+) -> DTensor:
+    """A DTensor over ``local`` (a view, no copy) with per-tensor placements; a
+    ``FlatDTensor`` where some axis is ``Flat``."""
+    plain = DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+    if not any(isinstance(p, Flat) for p in placements):
+        return plain
+    return FlatDTensor(plain._local_tensor, plain._spec, requires_grad=plain.requires_grad)
+
+
+def _rebuild(local, mesh, placements, shape, stride, requires_grad) -> "FlatDTensor":
+    t = flat_dtensor(local, mesh, placements, shape=shape, stride=stride)
+    return t.requires_grad_(requires_grad) if requires_grad else t
+
+
+def _bump_versions(func, args, kwargs) -> None:
+    """Advance the version counters of the local tensors ``func`` wrote. DTensor runs
+    local ops below the autograd layer that counts writes, so without this an
+    optimizer's in-place step would leave them unchanged, and the compute weights
+    could not tell that the main weights moved (FsdpParameterGroup._refresh_if_stale)."""
+    for index, argument in enumerate(func._schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = args[index] if index < len(args) else kwargs.get(argument.name)
+        for t in tree_flatten(value)[0]:
+            if isinstance(t, DTensor):
+                torch.autograd.graph.increment_version(t._local_tensor)
+
+
+def _flat_axes(args, kwargs) -> dict[int, Flat]:
+    """Mesh axis -> the Flat placement of an input on that axis."""
+    flats: dict[int, Flat] = {}
+    for t in tree_flatten((args, kwargs))[0]:
+        if isinstance(t, DTensor):
+            for axis, p in enumerate(t.placements):
+                if isinstance(p, Flat):
+                    flats.setdefault(axis, p)
+    return flats
+
+
+def _refuse_before(func, args, flats: dict[int, Flat]) -> None:
+    """Refuse, on every rank alike (the rows are known everywhere), what would fail
+    on some ranks only or reshape the rows away."""
+    for axis, flat in flats.items():
+        if func in _NO_EMPTY and flat.rows is not None and 0 in flat.rows:
+            raise RuntimeError(
+                f"{func}: some ranks hold no rows of this tensor ({flat!r} on mesh axis {axis}) and a full "
+                "max/min of an empty shard fails there; use p.full_tensor().max() or p.amax()"
+            )
+        if func in _VIEWS and isinstance(args[0], DTensor) and len(args) > 1:
+            shape = list(args[1])
+            if not shape or shape[0] != args[0].shape[0]:
+                raise RuntimeError(
+                    f"{func}: reshaping {tuple(args[0].shape)} -> {tuple(shape)} would move dim-0 rows that are "
+                    f"sharded as {flat!r} (the flat buffer's split, not torch.chunk's); take the full tensor "
+                    "first (p.full_tensor())"
+                )
+
+
+def _relabel(t, flats: dict[int, Flat], func):
+    if not isinstance(t, DTensor) or not flats:
+        return t
+    placements = list(t.placements)
+    for axis, flat in flats.items():
+        p = placements[axis]
+        if isinstance(p, Flat):
+            continue
+        if type(p) is Shard and p.dim == 0 and not flat.nested and t.dim() > 0 and t.shape[0] == sum(flat.rows or ()):
+            coordinate = t.device_mesh.get_local_rank(axis)
+            if t._local_tensor.size(0) == flat.rows[coordinate]:
+                placements[axis] = flat
+                continue
+        if isinstance(p, Shard) or (isinstance(p, Partial) and p.reduce_op == "avg"):
+            raise RuntimeError(
+                f"{func}: the output would be {p!r} on mesh axis {axis}, but the input's rows there follow "
+                f"{flat!r} (the flat buffer's split, not torch.chunk's), so its values would be wrong. "
+                "Take the full tensor first (p.full_tensor() or p.redistribute(mesh, [Replicate()]))"
+            )
+    if all(a is b for a, b in zip(placements, t.placements)) and type(t) is FlatDTensor:
+        return t
+    spec = t._spec.__class__(t._spec.mesh, tuple(placements), tensor_meta=t._spec.tensor_meta)
+    return FlatDTensor(t._local_tensor, spec, requires_grad=t.requires_grad)
+
+
+def _exact_mean(func, args, kwargs):
+    """mean = sum / count: a sum reduces exactly over any row split."""
+    x = args[0]
+    dims = args[1] if len(args) > 1 else kwargs.get("dim")
+    keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
+    dtype = kwargs.get("dtype")
+    if dims is None or (isinstance(dims, Sequence) and len(dims) == 0):
+        count, total = x.numel(), aten.sum.default(x, dtype=dtype)
+    else:
+        dims = [dims] if isinstance(dims, int) else list(dims)
+        count = math.prod(x.shape[d] for d in dims)
+        total = aten.sum.dim_IntList(x, dims, keepdim, dtype=dtype)
+    return total / count
