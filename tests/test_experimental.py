@@ -51,11 +51,19 @@ def placements_for(name: str) -> Placements:
                 gradient=[Partial("avg"), Shard(0)],
                 optimizer=[Replicate(), Shard(0)],
             )
+        case "hfsdp":
+            # HSDP whose optimizer state is sharded over the outer axis too.
+            return Placements(
+                dp_axes=[0, 1],
+                parameter=[Replicate(), Shard(0)],
+                gradient=[Partial("avg"), Shard(0)],
+                optimizer=[Shard(0), Shard(0)],
+            )
     raise ValueError(name)
 
 
 def make_mesh(world: int, name: str):
-    if name == "hsdp":
+    if name in ("hsdp", "hfsdp"):
         return init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("outer", "inner"))
     return init_device_mesh("cpu", (world,))
 
@@ -505,9 +513,13 @@ def test_gradient_accumulation_with_microbatches(pool, strategy):
         assert result["diff"] < TOL, result
 
 
-def test_hsdp_equals_single_process(pool):
-    # World 2 is a 2 x 1 mesh: a trivial inner axis, the outer all-reduce still deferred.
-    for result in pool.run(parity_worker, strategy="hsdp", microbatches=2):
+@pytest.mark.parametrize("strategy", ["hsdp", "hfsdp"])
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_hsdp_equals_single_process(pool, strategy, microbatches):
+    # A 2 x (world / 2) mesh, outer replicate x inner shard; at world 2 the inner axis
+    # is trivial and the outer all-reduce is still deferred to the last microbatch.
+    # HFSDP also shards the optimizer state (main weights, Adam moments) over the outer axis.
+    for result in pool.run(parity_worker, strategy=strategy, microbatches=microbatches):
         assert result["diff"] < TOL, result
 
 

@@ -25,7 +25,7 @@ from .. import collectives
 from ..allocator import StorageResizeAllocator, is_allocated
 from .layout import GlobalLayout, non_leading_numel
 from .dtensor import flat_dtensor
-from .placement import Flat, changed_mesh_axis, validate_placements
+from .placement import Flat, NestedRows, changed_mesh_axis, validate_placements
 
 __all__ = ["DBuffer"]
 
@@ -350,7 +350,18 @@ class DBuffer:
         tensor's rows per rank (see [Note: uneven shards])."""
         flat_axes = [isinstance(p, Flat) for p in self.placements]
         if sum(flat_axes) > 1:
-            return tuple(Flat(nested=True) if flat else p for p, flat in zip(self.placements, flat_axes))
+            row = non_leading_numel(self.layout.tensor_shapes[index])
+            part = self._owned(index)
+            first = flat_axes.index(True)
+            return tuple(
+                Flat(nested=NestedRows(
+                    total=self.layout.tensor_shapes[index][0],
+                    local_rows=part.numel // row if part else 0,
+                    offset=part.item_start // row if part else 0,
+                    outermost=axis == first,
+                )) if flat else p
+                for axis, (p, flat) in enumerate(zip(self.placements, flat_axes))
+            )
         sizes = [self.mesh.size(axis) for axis in range(self.mesh.ndim)]
         ranks = [self.mesh.get_local_rank(axis) for axis in range(self.mesh.ndim)]
         return tuple(

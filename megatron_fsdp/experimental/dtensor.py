@@ -118,7 +118,7 @@ def _refuse_before(func, args, flats: dict[int, Flat]) -> None:
     """Refuse, on every rank alike (the rows are known everywhere), what would fail
     on some ranks only or reshape the rows away."""
     for axis, flat in flats.items():
-        if func in _NO_EMPTY and flat.rows is not None and 0 in flat.rows:
+        if func in _NO_EMPTY and (flat.nested is not None or flat.rows is not None and 0 in flat.rows):
             raise RuntimeError(
                 f"{func}: some ranks hold no rows of this tensor ({flat!r} on mesh axis {axis}) and a full "
                 "max/min of an empty shard fails there; use p.full_tensor().max() or p.amax()"
@@ -141,11 +141,9 @@ def _relabel(t, flats: dict[int, Flat], func):
         p = placements[axis]
         if isinstance(p, Flat):
             continue
-        if type(p) is Shard and p.dim == 0 and not flat.nested and t.dim() > 0 and t.shape[0] == sum(flat.rows or ()):
-            coordinate = t.device_mesh.get_local_rank(axis)
-            if t._local_tensor.size(0) == flat.rows[coordinate]:
-                placements[axis] = flat
-                continue
+        if type(p) is Shard and p.dim == 0 and t.dim() > 0 and (t.shape[0], t._local_tensor.size(0)) == _extent(flat, t, axis):
+            placements[axis] = flat
+            continue
         if isinstance(p, Shard) or (isinstance(p, Partial) and p.reduce_op == "avg"):
             raise RuntimeError(
                 f"{func}: the output would be {p!r} on mesh axis {axis}, but the input's rows there follow "
@@ -156,6 +154,13 @@ def _relabel(t, flats: dict[int, Flat], func):
         return t
     spec = t._spec.__class__(t._spec.mesh, tuple(placements), tensor_meta=t._spec.tensor_meta)
     return FlatDTensor(t._local_tensor, spec, requires_grad=t.requires_grad)
+
+
+def _extent(flat: Flat, t: DTensor, axis: int) -> tuple[int, int]:
+    """(rows of the whole tensor, rows on this rank) that ``flat`` describes."""
+    if flat.nested is not None:
+        return flat.nested.total, flat.nested.local_rows
+    return sum(flat.rows), flat.rows[t.device_mesh.get_local_rank(axis)]
 
 
 def _exact_mean(func, args, kwargs):

@@ -17,6 +17,7 @@ from         to            DBuffer operation
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Sequence
 from typing import Optional
 
@@ -42,14 +43,15 @@ class Flat(Shard):
     ``Shard`` are relabelled or refused in dtensor.py.
     """
 
-    def __init__(self, rows: Optional[Sequence[int]] = None, *, nested: bool = False) -> None:
+    def __init__(self, rows: Optional[Sequence[int]] = None, *, nested: Optional["NestedRows"] = None) -> None:
         super().__init__(0)
         self.rows: Optional[tuple[int, ...]] = None if rows is None else tuple(int(r) for r in rows)
         """Rows held by each rank of the mesh axis (``None``: a DBuffer axis)."""
         self.nested = nested
-        """One of several Flat axes of a DTensor (HFSDP). The flat layout splits the
-        last such axis most coarsely, torch's nested ``Shard(0)`` the first, so DTensor
-        cannot redistribute it; the methods below refuse."""
+        """Set on each of several Flat axes of a DTensor (HFSDP optimizer placements).
+        The flat layout splits the last such axis most coarsely, torch's nested
+        ``Shard(0)`` the first, so DTensor cannot redistribute it (the methods below
+        refuse); this rank's extent is still known, for sharding propagation."""
 
     def __eq__(self, other: object) -> bool:
         # Sharding strategies are written with plain Shard(0), and an in-place op
@@ -71,7 +73,7 @@ class Flat(Shard):
 
     def __repr__(self) -> str:
         if self.nested:
-            return "Flat(nested=True)"
+            return f"Flat(nested={self.nested})"
         return "Flat()" if self.rows is None else f"Flat(rows={list(self.rows)})"
 
     def __str__(self) -> str:
@@ -139,6 +141,10 @@ class Flat(Shard):
         return Shard(new_shard_dim)._replicate_to_shard(full, mesh, mesh_dim, mesh.get_local_rank(mesh_dim))
 
     def local_shard_size_and_offset(self, curr_local_size, num_chunks, rank):  # type: ignore[override]
+        if self.nested is not None:
+            # This rank's rows, as torch composes nested shards: the first Flat axis
+            # in mesh order places them in the tensor, the later ones keep them.
+            return self.nested.local_rows, self.nested.offset if self.nested.outermost else 0
         rows = self._checked_rows(num_chunks, curr_local_size)
         return rows[rank], sum(rows[:rank])
 
@@ -146,7 +152,21 @@ class Flat(Shard):
         return self.local_shard_size_and_offset(curr_local_size, num_chunks, rank)
 
 
-def _make_flat(rows: Optional[tuple[int, ...]], nested: bool) -> Flat:
+@dataclasses.dataclass(frozen=True)
+class NestedRows:
+    """This rank's rows of a tensor sharded on several Flat axes."""
+
+    total: int
+    """Rows of the whole tensor."""
+    local_rows: int
+    """Rows this rank holds."""
+    offset: int
+    """Index of this rank's first row in the whole tensor."""
+    outermost: bool
+    """Whether this is the first Flat axis in mesh order."""
+
+
+def _make_flat(rows: Optional[tuple[int, ...]], nested: Optional[NestedRows]) -> Flat:
     return Flat(rows, nested=nested)
 
 
