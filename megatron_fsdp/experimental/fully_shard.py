@@ -125,6 +125,13 @@ def fully_shard(
     context = _CONTEXT.get()
     if context is None:
         raise RuntimeError("call fully_shard inside `with fully_shard_context():`")
+    for name, sub in module.named_modules():
+        if isinstance(sub, FsdpModule) and sub.context is not context:
+            raise ValueError(
+                f"submodule {name!r} of this {type(module).__name__} was sharded in another fully_shard_context; "
+                "a model's modules share one context (their prefetch orders span it): shard them all "
+                "inside one `with fully_shard_context():`"
+            )
     _check_dp_axes(mesh, placements.dp_axes)
     policy = mixed_precision_policy or MixedPrecisionPolicy()
     original = type(module)

@@ -12,6 +12,13 @@ order; once every owned parameter has accumulated its gradient,
 reduce-scatter (which overlapped this module's backward) and launches its own
 asynchronously; the root's end-of-backward callback completes the last one. So per step each module all-gathers twice and reduce-scatters once.
 
+[Note: phase ranges] Each module's forward (pre_forward to post_forward) and
+backward (pre_backward to post_backward) is a profiler range named
+``megatron_fsdp::forward:<module>`` / ``megatron_fsdp::backward:<module>``, nested
+as the modules are; the collectives' ranges sit inside them. A frozen module's
+backward range closes at the end of backward; a module whose outputs need no
+gradient has none; recomputation opens none.
+
 [Note: recomputation] Activation checkpointing reruns a module's forward inside
 backward. Such a rerun keeps its full weights (its backward needs them next) and
 does not prefetch the next module in forward order, whose backward may be over.
@@ -158,6 +165,8 @@ class FsdpModule:
         self._unsharded = False
         self._in_flight: list[FsdpParameterGroup] = []
         self._num_ready = 0
+        self._open_range: Optional[object] = None
+        """The profiler range of the phase in progress (see [Note: phase ranges])."""
         groups = []
         for key, params in _group_parameters(_owned_parameters(cast(nn.Module, self))).items():
             groups.append(
@@ -230,6 +239,7 @@ class FsdpModule:
             self.phase = FsdpModule.Phase.FORWARD
         if not recomputing:
             self._num_ready = 0
+            self._begin_range("forward")
         self._launch_unshard()
         if not recomputing:
             following = self.context.next_in(self.context.forward_order, self)
@@ -241,6 +251,7 @@ class FsdpModule:
         recomputing = self.phase is FsdpModule.Phase.BACKWARD or _in_backward()
         if not recomputing:
             self._reshard()
+            self._end_range()
         # Backward reaches this module when the first gradient of its outputs is
         # computed. (A reentrant checkpoint's rerun is where its outputs get a graph.)
         needing_grad = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -254,6 +265,7 @@ class FsdpModule:
         if self.phase is FsdpModule.Phase.BACKWARD:
             return  # a second output of the same module
         self.phase = FsdpModule.Phase.BACKWARD
+        self._begin_range("backward")
         if self.is_root():
             self.context.queue_end_of_backward()
         self._launch_unshard()
@@ -278,6 +290,7 @@ class FsdpModule:
             with record_function(f"megatron_fsdp::reduce_scatter:{self.name}"):
                 self.context._pending_reductions.append((self, group.reduce_gradients(partial)))
         self.phase = FsdpModule.Phase.RESTING
+        self._end_range()
 
     # -- gather / release --------------------------------------------------------------------
     def _launch_unshard(self) -> None:
@@ -310,6 +323,28 @@ class FsdpModule:
         if self._unsharded or self._in_flight:
             self._reshard()
         self._phase = FsdpModule.Phase.RESTING
+        self._end_range()
+
+    # -- profiler ranges -----------------------------------------------------------------------
+    def _begin_range(self, phase: str) -> None:
+        self._end_range()
+        self._open_range = _range_push(f"megatron_fsdp::{phase}:{self.name}")
+
+    def _end_range(self) -> None:
+        if self._open_range is not None:
+            handle, self._open_range = self._open_range, None
+            _range_pop(handle)
+
+
+def _range_push(label: str) -> object:
+    """Open a profiler range (``torch.profiler`` shows it on the CPU timeline)."""
+    handle = record_function(label)
+    handle.__enter__()
+    return handle
+
+
+def _range_pop(handle: object) -> None:
+    cast(record_function, handle).__exit__(None, None, None)
 
 
 def _on_pre_backward(ref: "weakref.ReferenceType[FsdpModule]") -> None:
