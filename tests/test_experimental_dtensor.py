@@ -165,6 +165,12 @@ def api_worker(rank, world, *, strategy):
         for key in ("exp_avg", "exp_avg_sq")
     )
     out["params_after_step"] = max(_max_diff(lambda: p.full_tensor(), ref[n].detach()) for n, p in params.items())
+    # A parameter and a DTensor split by torch.chunk (or another layout's rows) do not
+    # line up row for row: refused; two tensors with the same rows are fine.
+    out["mixed_rows"] = _error(lambda: params["inp.weight"] + distribute_tensor(
+        ref["inp.weight"].detach(), mesh, [Shard(0)] * mesh.ndim))
+    out["same_rows"] = _max_diff(lambda: (params["inp.weight"] + params["inp.weight"].detach()).full_tensor(),
+                                 2 * ref["inp.weight"].detach())
     out["plain_after"] = _max_diff(lambda: plain.full_tensor(), first)
     out["plain_times_2_after"] = _max_diff(lambda: (plain * 2).full_tensor(), first * 2)
     return out
@@ -225,6 +231,9 @@ def test_dtensor_apis_are_exact_or_refused(pool, strategy):
                     "plain_before", "plain_after", "plain_times_2_after"]:
             assert out[api] < TOL, (pool.world, strategy, rank, api, out[api])
         assert out["saved_bytes_are_local"], out
+        assert out["same_rows"] < TOL, out["same_rows"]
+        if pool.world == 4 or strategy == "zero3":  # hsdp at world 2: one inner rank holds all rows
+            assert out["mixed_rows"] and "split their rows differently" in out["mixed_rows"], out["mixed_rows"]
         for api in REFUSED:
             errors = out[api]
             assert any(errors), (api, errors)  # the first parameter's rows are uneven

@@ -47,6 +47,7 @@ class FlatDTensor(DTensor):
         if func in _MEAN:
             return _exact_mean(func, args, kwargs)
         _refuse_before(func, args, flats)
+        _refuse_mismatched_rows(func, args, kwargs, flats)
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if func._schema.is_mutable:
             _bump_versions(func, args, kwargs)
@@ -131,6 +132,40 @@ def _refuse_before(func, args, flats: dict[int, Flat]) -> None:
                     f"sharded as {flat!r} (the flat buffer's split, not torch.chunk's); take the full tensor "
                     "first (p.full_tensor())"
                 )
+
+
+def _row_split(t: DTensor, axis: int):
+    """How ``t``'s dim-0 rows are split over mesh ``axis`` (``None``: not by rows)."""
+    p = t.placements[axis]
+    if isinstance(p, Flat):
+        return p.nested if p.nested is not None else p.rows
+    if type(p) is Shard and p.dim == 0 and t.dim() > 0:
+        if sum(1 for q in t.placements if isinstance(q, Shard) and q.dim == 0) > 1:
+            return ("nested torch.chunk",)
+        return tuple(c.size(0) for c in torch.chunk(torch.empty(t.shape[0], 0), t.device_mesh.size(axis)))
+    return None
+
+
+def _refuse_mismatched_rows(func, args, kwargs, flats: dict[int, Flat]) -> None:
+    """Element-wise work on tensors whose rows sit on different ranks would pair the
+    wrong rows: refuse (e.g. a parameter plus a torch.chunk-sharded DTensor)."""
+    tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, DTensor)]
+    if len(tensors) < 2:
+        return
+    for axis in flats:
+        splits = {}
+        for t in tensors:
+            if t.device_mesh.ndim > axis:
+                split = _row_split(t, axis)
+                if split is not None:
+                    splits.setdefault(split, t)
+        if len(splits) > 1:
+            described = ", ".join(f"{tuple(t.shape)} {t.placements[axis]!r}" for t in splits.values())
+            raise RuntimeError(
+                f"{func}: inputs split their rows differently on mesh axis {axis} ({described}); "
+                "pairing their local rows would be wrong. Bring them to one placement first, e.g. "
+                "x.full_tensor() or x.redistribute(mesh, [Replicate()])"
+            )
 
 
 def _relabel(t, flats: dict[int, Flat], func):
