@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from megatron_fsdp.experimental import Flat, Placements, fully_shard, fully_shard_context, fully_shard_optimizer
 from megatron_fsdp.experimental.layout import GlobalLayout
 from megatron_fsdp.experimental.placement import specialize_placements
-from models import loss_fn, make_batches, make_model, make_optimizer
+from models import loss_fn, make_batches, make_model
 
 TOL = 1e-5
 
@@ -155,7 +155,9 @@ def api_worker(rank, world, *, strategy):
         abs(got_norm.item() - want_norm.item()),
         max(_max_diff(lambda: p.grad.full_tensor(), ref[n].grad) for n, p in params.items()),
     )
-    opt, ref_opt = make_optimizer("adamw")(model.parameters()), make_optimizer("adamw")(reference.parameters())
+    # foreach=True: the multi-tensor kernels pair the i-th parameter with the i-th gradient.
+    adamw = lambda params: torch.optim.AdamW(params, lr=0.01, eps=1e-4, weight_decay=0.1, foreach=True)  # noqa: E731
+    opt, ref_opt = adamw(model.parameters()), adamw(reference.parameters())
     fully_shard_optimizer(opt)
     opt.step()
     ref_opt.step()

@@ -146,26 +146,38 @@ def _row_split(t: DTensor, axis: int):
     return None
 
 
+def _paired_tensors(func, args, kwargs) -> list[list[DTensor]]:
+    """The DTensors an op combines element by element: all of them, or for a
+    ``_foreach`` op the i-th of each list (with any single tensor argument)."""
+    values = [*args, *kwargs.values()]
+    if not func._schema.name.startswith("aten::_foreach"):
+        return [[t for t in tree_flatten(values)[0] if isinstance(t, DTensor)]]
+    lists = [v for v in values if isinstance(v, (list, tuple))]
+    singles = [v for v in values if isinstance(v, DTensor)]
+    length = max((len(v) for v in lists), default=0)
+    return [[v[i] for v in lists if i < len(v) and isinstance(v[i], DTensor)] + singles for i in range(length)]
+
+
 def _refuse_mismatched_rows(func, args, kwargs, flats: dict[int, Flat]) -> None:
     """Element-wise work on tensors whose rows sit on different ranks would pair the
     wrong rows: refuse (e.g. a parameter plus a torch.chunk-sharded DTensor)."""
-    tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, DTensor)]
-    if len(tensors) < 2:
-        return
-    for axis in flats:
-        splits = {}
-        for t in tensors:
-            if t.device_mesh.ndim > axis:
-                split = _row_split(t, axis)
-                if split is not None:
-                    splits.setdefault(split, t)
-        if len(splits) > 1:
-            described = ", ".join(f"{tuple(t.shape)} {t.placements[axis]!r}" for t in splits.values())
-            raise RuntimeError(
-                f"{func}: inputs split their rows differently on mesh axis {axis} ({described}); "
-                "pairing their local rows would be wrong. Bring them to one placement first, e.g. "
-                "x.full_tensor() or x.redistribute(mesh, [Replicate()])"
-            )
+    for tensors in _paired_tensors(func, args, kwargs):
+        if len(tensors) < 2:
+            continue
+        for axis in flats:
+            splits = {}
+            for t in tensors:
+                if t.device_mesh.ndim > axis:
+                    split = _row_split(t, axis)
+                    if split is not None:
+                        splits.setdefault(split, t)
+            if len(splits) > 1:
+                described = ", ".join(f"{tuple(t.shape)} {t.placements[axis]!r}" for t in splits.values())
+                raise RuntimeError(
+                    f"{func}: inputs split their rows differently on mesh axis {axis} ({described}); "
+                    "pairing their local rows would be wrong. Bring them to one placement first, e.g. "
+                    "x.full_tensor() or x.redistribute(mesh, [Replicate()])"
+                )
 
 
 def _relabel(t, flats: dict[int, Flat], func):
