@@ -1,17 +1,24 @@
 """The DTensors that expose DBuffer tensors (sharded parameters and gradients).
 
 Their ``Flat`` placements record each rank's rows (placement.py), so DTensor's
-own redistribution is exact. Two things no placement method sees are handled by
-``FlatDTensor``, the DTensor subclass these tensors have:
+own redistribution (``full_tensor()``, ``redistribute``) is exact. What no
+placement method sees is handled by ``FlatDTensor``, the DTensor subclass these
+tensors have, around each op:
 
 * sharding propagation labels outputs with plain ``Shard(d)`` (torch.chunk rows):
-  an output of the same rows as a ``Flat`` input is relabelled ``Flat`` (so
+  an output with the same rows as a ``Flat`` input is relabelled ``Flat`` (so
   ``p * 2``, ``p.clone()``, optimizer states stay exact); any other ``Shard`` of
   a ``Flat`` axis (``p.t()``, ``p.reshape(-1)``) is refused;
 * ``mean`` would average per-rank means (``Partial("avg")``): it is computed as a
-  sum over the count instead, and any other ``Partial("avg")`` from a Flat axis is
-  refused; ``redistribute`` to a plain ``Shard(0)`` (which DTensor treats as a
-  no-op for a dim-0 shard) goes through ``Replicate``.
+  sum over the count instead, and any other ``Partial("avg")`` of a Flat axis is
+  refused; a full ``max``/``min`` where some rank holds no rows, and element-wise
+  work pairing tensors whose rows sit on different ranks, are refused on every
+  rank alike (the rows are known everywhere, so no rank is left waiting);
+* ``redistribute`` to a plain ``Shard(0)`` (DTensor would leave a dim-0 shard's
+  rows in place) goes through ``Replicate``;
+* in-place ops advance the local tensors' version counters (DTensor's do not),
+  which is how stale compute weights are noticed;
+* pickling writes this rank's rows, not the whole flat buffer they are a view of.
 """
 
 from __future__ import annotations
@@ -51,8 +58,10 @@ class FlatDTensor(DTensor):
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if func._schema.is_mutable:
             _bump_versions(func, args, kwargs)
-            if args and isinstance(args[0], FlatDTensor) and isinstance(out, DTensor):
-                return args[0]  # an in-place op returns its input
+            first = func._schema.arguments[0] if func._schema.arguments else None
+            in_place = first is not None and first.alias_info is not None and first.alias_info.is_write
+            if in_place and args and isinstance(args[0], FlatDTensor) and isinstance(out, DTensor):
+                return args[0]  # an in-place op returns its input (an out= op its out)
         return tree_map(lambda t: _relabel(t, flats, func), out)
 
     def __reduce_ex__(self, protocol):
@@ -181,6 +190,8 @@ def _refuse_mismatched_rows(func, args, kwargs, flats: dict[int, Flat]) -> None:
 
 
 def _relabel(t, flats: dict[int, Flat], func):
+    """``t`` (an op's output) with ``Flat`` where its rows are the input's; refuses
+    a plain Shard or an average over a Flat axis otherwise."""
     if not isinstance(t, DTensor) or not flats:
         return t
     placements = list(t.placements)
@@ -188,7 +199,8 @@ def _relabel(t, flats: dict[int, Flat], func):
         p = placements[axis]
         if isinstance(p, Flat):
             continue
-        if type(p) is Shard and p.dim == 0 and t.dim() > 0 and (t.shape[0], t._local_tensor.size(0)) == _extent(flat, t, axis):
+        same_rows = t.dim() > 0 and (t.shape[0], t._local_tensor.size(0)) == _extent(flat, t, axis)
+        if type(p) is Shard and p.dim == 0 and same_rows:
             placements[axis] = flat
             continue
         if isinstance(p, Shard) or (isinstance(p, Partial) and p.reduce_op == "avg"):
