@@ -50,7 +50,7 @@ class FlatDTensor(DTensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        flats = _flat_axes(args, kwargs)
+        flats = _flat_axes((args, kwargs))
         if func in _MEAN:
             return _exact_mean(func, args, kwargs)
         _refuse_before(func, args, flats)
@@ -62,6 +62,10 @@ class FlatDTensor(DTensor):
             in_place = first is not None and first.alias_info is not None and first.alias_info.is_write
             if in_place and args and isinstance(args[0], FlatDTensor) and isinstance(out, DTensor):
                 return args[0]  # an in-place op returns its input (an out= op its out)
+        if func._schema.name.startswith("aten::_foreach") and isinstance(out, (list, tuple)):
+            # The i-th output comes from the i-th tensor of each input list.
+            groups = _paired_tensors(func, args, kwargs)
+            return type(out)(_relabel(o, _flat_axes(g), func) for o, g in zip(out, groups))
         return tree_map(lambda t: _relabel(t, flats, func), out)
 
     def __reduce_ex__(self, protocol):
@@ -113,10 +117,10 @@ def _bump_versions(func, args, kwargs) -> None:
                 torch.autograd.graph.increment_version(t._local_tensor)
 
 
-def _flat_axes(args, kwargs) -> dict[int, Flat]:
+def _flat_axes(inputs) -> dict[int, Flat]:
     """Mesh axis -> the Flat placement of an input on that axis."""
     flats: dict[int, Flat] = {}
-    for t in tree_flatten((args, kwargs))[0]:
+    for t in tree_flatten(inputs)[0]:
         if isinstance(t, DTensor):
             for axis, p in enumerate(t.placements):
                 if isinstance(p, Flat):
