@@ -45,6 +45,14 @@ def set_device(device: torch.device) -> None:
         torch.cuda.set_device(device)
 
 
+def host_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy a host tensor to ``device`` without a host sync: from pinned memory,
+    non-blocking, on accelerators (a pageable copy makes the host wait for it)."""
+    if device.type == "cpu":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -177,12 +177,22 @@ def train(args, ctx: StepContext, state: TrainState, train_src, valid_src, metri
     first_iteration = state.iteration + 1
     saver = Saver(args, ctx)
     exits = ExitConditions(args, ctx.device)
+    # Iteration times come from the wall clock between iterations; the device is
+    # synchronised only where an interval is read (the log line) or paused (eval,
+    # checkpoints), as Megatron-LM's interval timer does: a per-iteration
+    # synchronize would cost a host sync each step (see training_step.py,
+    # [Note: one host sync per iteration]).
+    device_mod.synchronize(ctx.device)
+    last = time.perf_counter()
     while state.iteration < args.train_iters:
-        device_mod.synchronize(ctx.device)
-        start = time.perf_counter()
         result = train_step(ctx, state, train_src)
-        device_mod.synchronize(ctx.device)
-        stats.add(result, time.perf_counter() - start)
+        is_first = state.iteration == first_iteration
+        logs = state.iteration % args.log_interval == 0 or is_first
+        if logs:
+            device_mod.synchronize(ctx.device)
+        now = time.perf_counter()
+        stats.add(result, now - last)
+        last = now
         state.floating_point_operations_so_far += flops
         metrics.record(state.iteration, result)
         if dash.active:
@@ -195,8 +205,7 @@ def train(args, ctx: StepContext, state: TrainState, train_src, valid_src, metri
                 params_norm=result.params_norm)
         # Megatron-LM logs the first iteration of a run (without resetting the
         # interval sums) and then every --log-interval iterations.
-        is_first = state.iteration == first_iteration
-        if state.iteration % args.log_interval == 0 or is_first:
+        if logs:
             log_iteration(args, ctx, state, result, stats, flops, dash)
             if state.iteration % args.log_interval == 0:
                 stats = IntervalStats()
@@ -208,10 +217,16 @@ def train(args, ctx: StepContext, state: TrainState, train_src, valid_src, metri
                 memory_reports += 1
                 if args.log_memory_to_tensorboard:
                     dashboards_mod.write_memory_scalars(dash, snaps[0], state.iteration)
+        paused = False
         if args.eval_iters and state.iteration % args.eval_interval == 0:
             maybe_evaluate(args, ctx, state, valid_src, metrics, dash)
+            paused = True
         if args.save and state.iteration % args.save_interval == 0:
             saver.save(state)
+            paused = True
+        if paused:  # evaluation and checkpoints are not iteration time
+            device_mod.synchronize(ctx.device)
+            last = time.perf_counter()
         reason = exits.reason(state.iteration)
         if reason:
             if args.save and saver.last_saved != state.iteration:

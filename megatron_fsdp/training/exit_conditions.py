@@ -43,13 +43,14 @@ class ExitConditions:
         args = self.args
         if args.exit_interval and iteration % args.exit_interval == 0:
             return f"--exit-interval {args.exit_interval}"
-        flags = torch.tensor([0, 0], dtype=torch.int32, device=self.device)
-        if args.exit_duration_in_mins is not None:
-            flags[0] = int((time.time() - self.start) / 60.0 > args.exit_duration_in_mins)
-        if args.exit_signal_handler:
-            flags[1] = int(self.signal_received)
         if args.exit_duration_in_mins is None and not args.exit_signal_handler:
-            return None
+            return None  # nothing to agree on: no tensor, no collective, no host sync
+        local = [0, 0]
+        if args.exit_duration_in_mins is not None:
+            local[0] = int((time.time() - self.start) / 60.0 > args.exit_duration_in_mins)
+        if args.exit_signal_handler:
+            local[1] = int(self.signal_received)
+        flags = torch.tensor(local, dtype=torch.int32, device=self.device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         if flags[0]:
             return f"--exit-duration-in-mins {args.exit_duration_in_mins}"

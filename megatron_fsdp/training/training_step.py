@@ -80,20 +80,35 @@ class StepContext:
     seq_length: int = 0
 
 
-def _global_sums(loss_sum: torch.Tensor, tokens: int, device: torch.device) -> tuple[float, int]:
-    stats = torch.tensor([float(loss_sum), float(tokens)], dtype=torch.float64, device=device)
+def _global_sums(values: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Sum a float64 vector over every rank, on ``device`` (no host read: see
+    [Note: one host sync per iteration])."""
+    values = values.to(device=device, dtype=torch.float64)
     if dist.is_initialized():
-        dist.all_reduce(stats)
-    return float(stats[0]), int(stats[1])
+        dist.all_reduce(values)
+    return values
 
 
-def _forward_backward(ctx: StepContext, source: SampleSource, consumed: int,
-                      iteration: int) -> tuple[torch.Tensor, int, Optional[torch.Tensor]]:
-    """(sum of token losses, tokens, sum over micro batches of the MoE balancing loss or None)."""
+@dataclasses.dataclass(kw_only=True)
+class _MicroBatchSums:
+    """What the micro batches of one iteration leave behind, on the device."""
+
+    loss: torch.Tensor
+    """Sum of the token losses (float64)."""
+    tokens: int
+    nonfinite: torch.Tensor
+    """How many micro batches had a NaN/Inf loss (float64, for one all-reduce with ``loss``)."""
+    balancing: Optional[torch.Tensor] = None
+    """MoE: the sum over micro batches of the balancing loss (None: dense model)."""
+
+
+def _forward_backward(ctx: StepContext, source: SampleSource, consumed: int) -> _MicroBatchSums:
+    """[Note: one host sync per iteration] Nothing here reads a device value on the
+    host: inputs are copied asynchronously from pinned memory, losses and NaN flags
+    accumulate on the device, and ``train_step`` reads everything it needs at once."""
     bundle, layout = ctx.bundle, ctx.layout
-    loss_total = torch.zeros((), dtype=torch.float64)
-    tokens_total = 0
-    balancing_total: Optional[torch.Tensor] = None
+    sums = _MicroBatchSums(loss=torch.zeros((), dtype=torch.float64, device=ctx.device), tokens=0,
+                           nonfinite=torch.zeros((), dtype=torch.float64, device=ctx.device))
     scale = ctx.scaler.scale if ctx.scaler is not None else 1.0
     _set_moe_aux_loss_scale(ctx, scale)
     for m in range(layout.num_microbatches):
@@ -107,19 +122,16 @@ def _forward_backward(ctx: StepContext, source: SampleSource, consumed: int,
                 loss_sum, tokens = bundle.loss_fn(inputs, targets)
             balancing = _moe_balancing_loss(ctx)
             if balancing is not None:
-                balancing_total = balancing if balancing_total is None else balancing_total + balancing
-            if ctx.check_for_nan and not bool(torch.isfinite(loss_sum)):
-                rank = dist.get_rank() if dist.is_initialized() else 0
-                raise NaNLossError(
-                    f"rank {rank}: the loss of iteration {iteration}, micro batch {m} is {float(loss_sum)}; "
-                    "lower --lr, check the data, or pass --no-check-for-nan-in-loss-and-grad to skip such steps"
-                )
+                balancing = balancing.detach().to(device=ctx.device, dtype=torch.float64)
+                sums.balancing = balancing if sums.balancing is None else sums.balancing + balancing
+            if ctx.check_for_nan:
+                sums.nonfinite += (~torch.isfinite(loss_sum.detach())).double()
             divisor = 1.0 if ctx.per_token_loss else tokens * layout.num_microbatches
             with ctx.timers.time("backward-compute"):
                 (loss_sum * (scale / divisor)).backward()
-        loss_total += loss_sum.detach().double().cpu()
-        tokens_total += tokens
-    return loss_total, tokens_total, balancing_total
+        sums.loss += loss_sum.detach().double()
+        sums.tokens += tokens
+    return sums
 
 
 def _moe_balancing_loss(ctx: StepContext) -> Optional[torch.Tensor]:
@@ -129,15 +141,6 @@ def _moe_balancing_loss(ctx: StepContext) -> Optional[torch.Tensor]:
     module = getattr(ctx.bundle.model, "module", ctx.bundle.model)
     report = getattr(module, "moe_load_balancing_loss", None)
     return report() if report is not None else None
-
-
-def _dp_mean(value: torch.Tensor, device: torch.device) -> float:
-    """Mean over the data-parallel ranks (Megatron-core averages its MoE metrics over DP)."""
-    value = value.detach().to(device=device, dtype=torch.float64).reshape(1)
-    if dist.is_initialized():
-        dist.all_reduce(value)
-        value /= dist.get_world_size()
-    return float(value)
 
 
 def _set_moe_aux_loss_scale(ctx: StepContext, scale: float) -> None:
@@ -153,14 +156,15 @@ def _set_moe_aux_loss_scale(ctx: StepContext, scale: float) -> None:
     set_scale(scale * (tokens if ctx.per_token_loss else 1.0 / ctx.layout.num_microbatches))
 
 
-def _grad_norm(params: list[torch.Tensor], clip_grad: float) -> float:
-    """Clip (when ``clip_grad > 0``) and return the global gradient norm; works on
-    sharded DTensor parameters, whose norm is reduced across the shard group."""
+def _grad_norm(params: list[torch.Tensor], clip_grad: float) -> torch.Tensor:
+    """Clip (when ``clip_grad > 0``) and return the global gradient norm as a device
+    scalar; works on sharded DTensor parameters, whose norm is reduced across the
+    shard group."""
     max_norm = clip_grad if clip_grad > 0 else math.inf
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
-    return float(norm)
+    return norm.detach().double().reshape(1)
 
 
 @torch.no_grad()
@@ -190,30 +194,54 @@ def _scale_grads(params: list[torch.Tensor], factor: float) -> None:
 
 
 def train_step(ctx: StepContext, state: TrainState, source: SampleSource) -> StepResult:
+    """One iteration. [Note: one host sync per iteration] The step reads the device
+    once, after clipping and before the optimizer step: the global loss and token
+    sums, the NaN flags of the micro batches and the gradient norm come back
+    together (a loss scaler, ``--calculate-per-token-loss``, ``--log-num-zeros-in-grad``
+    and ``--log-params-norm`` add reads of their own)."""
     bundle = ctx.bundle
+    iteration = state.iteration + 1
     lr = ctx.schedule.apply(bundle.optimizer)
     bundle.optimizer.zero_grad()
-    with ctx.timers.time("forward-backward"):
-        loss_sum, tokens, balancing = _forward_backward(ctx, source, state.consumed_train_samples, state.iteration + 1)
-    global_loss, global_tokens = _global_sums(loss_sum, tokens, ctx.device)
-    # Megatron-LM: the per-micro-batch values summed, times 1 / micro batches, averaged over DP.
-    load_balancing = None if balancing is None else \
-        _dp_mean(balancing, ctx.device) / ctx.layout.num_microbatches
+    try:
+        with ctx.timers.time("forward-backward"):
+            sums = _forward_backward(ctx, source, state.consumed_train_samples)
+    except FloatingPointError as exc:
+        # Megatron-FSDP's check_for_nan_in_grad found a NaN/Inf gradient at the last
+        # micro batch's gradient sync (a NaN loss gets there before the check below).
+        raise NaNLossError(
+            f"iteration {iteration}: {exc}. Lower --lr, check the data, or pass "
+            "--no-check-for-nan-in-loss-and-grad to skip such steps"
+        ) from exc
+    parts = [sums.loss.reshape(1), torch.full((1,), float(sums.tokens), dtype=torch.float64, device=ctx.device),
+             sums.nonfinite.reshape(1)]
+    if sums.balancing is not None:
+        parts.append(sums.balancing.reshape(1))
+    totals = _global_sums(torch.cat(parts), ctx.device)
     params = bundle.params
     if ctx.per_token_loss:
         # Megatron-FSDP summed over ranks (no DP scaling); DDP always averages, so undo its 1/dp.
         dp = ctx.layout.dp_size
-        _scale_grads(params, (1.0 if bundle.is_fsdp else dp) / global_tokens)
+        _scale_grads(params, (1.0 if bundle.is_fsdp else dp) / float(totals[1]))
     found_inf = False
     if ctx.scaler is not None:
         found_inf = ctx.scaler.unscale_and_check(params)
         ctx.scaler.update(found_inf)
-    grad_norm = None if found_inf else _grad_norm(params, ctx.clip_grad)
+    norm = None if found_inf else _grad_norm(params, ctx.clip_grad)
+    host = (totals if norm is None else torch.cat([totals, norm])).tolist()  # the one host sync
+    global_loss, global_tokens, nonfinite = host[0], int(host[1]), int(host[2])
+    grad_norm = None if norm is None else host[-1]
+    if nonfinite and ctx.check_for_nan:
+        raise NaNLossError(
+            f"iteration {iteration}: {nonfinite} micro batch loss(es) across the data-parallel ranks are NaN/Inf "
+            f"(global loss sum {global_loss}); no weight was updated. Lower --lr, check the data, or pass "
+            "--no-check-for-nan-in-loss-and-grad to skip such steps"
+        )
     nan = grad_norm is not None and not math.isfinite(grad_norm)
     if nan and ctx.check_for_nan:
         names = bundle.nan_grad_names()
         raise NaNLossError(
-            f"iteration {state.iteration + 1}: the gradient norm is {grad_norm}; NaN/Inf in the reduced gradient of "
+            f"iteration {iteration}: the gradient norm is {grad_norm}; NaN/Inf in the reduced gradient of "
             f"{', '.join(names) or 'an unnamed parameter'}. Lower --lr or --initial-loss-scale, keep --clip-grad, "
             "check the data, or pass --no-check-for-nan-in-loss-and-grad to skip such steps"
         )
@@ -228,6 +256,9 @@ def train_step(ctx: StepContext, state: TrainState, source: SampleSource) -> Ste
     params_norm = params_l2_norm(params) if ctx.log_params_norm else None
     state.iteration += 1
     state.consumed_train_samples += ctx.layout.global_batch_size
+    # Megatron-LM: the per-micro-batch balancing losses summed, times 1 / micro batches, averaged over DP.
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    load_balancing = None if sums.balancing is None else host[3] / world / ctx.layout.num_microbatches
     return StepResult(
         lm_loss=global_loss / global_tokens,
         grad_norm=grad_norm,
@@ -243,8 +274,9 @@ def train_step(ctx: StepContext, state: TrainState, source: SampleSource) -> Ste
 
 @torch.no_grad()
 def evaluate(ctx: StepContext, source: SampleSource, eval_iters: int) -> float:
-    """Mean token loss over ``eval_iters`` global batches from the start of ``source``."""
-    loss_total = torch.zeros((), dtype=torch.float64)
+    """Mean token loss over ``eval_iters`` global batches from the start of ``source``
+    (losses summed on the device, read once at the end)."""
+    loss_total = torch.zeros((), dtype=torch.float64, device=ctx.device)
     tokens_total = 0
     for it in range(eval_iters):
         consumed = it * ctx.layout.global_batch_size
@@ -252,7 +284,8 @@ def evaluate(ctx: StepContext, source: SampleSource, eval_iters: int) -> float:
             inputs, targets = get_microbatch(source, ctx.layout, consumed, m, ctx.device)
             with ctx.bundle.forward_context(ctx.device):
                 loss_sum, tokens = ctx.bundle.loss_fn(inputs, targets)
-            loss_total += loss_sum.double().cpu()
+            loss_total += loss_sum.double()
             tokens_total += tokens
-    global_loss, global_tokens = _global_sums(loss_total, tokens_total, ctx.device)
-    return global_loss / global_tokens
+    totals = _global_sums(torch.stack([loss_total, torch.tensor(float(tokens_total), dtype=torch.float64,
+                                                                  device=ctx.device)]), ctx.device).tolist()
+    return totals[0] / totals[1]

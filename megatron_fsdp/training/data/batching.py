@@ -15,6 +15,8 @@ from typing import Protocol
 
 import torch
 
+from megatron_fsdp import device as device_mod
+
 
 class SampleSource(Protocol):
     def __len__(self) -> int: ...
@@ -46,5 +48,5 @@ def get_microbatch(source: SampleSource, layout: BatchLayout, consumed_samples: 
                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(inputs, targets), each (micro_batch_size, seq_length) int64 on ``device``."""
     tokens = torch.stack([source.sample(i) for i in layout.sample_indices(consumed_samples, microbatch)])
-    tokens = tokens.to(device)
+    tokens = device_mod.host_to_device(tokens, device)
     return tokens[:, :-1], tokens[:, 1:]

@@ -1,0 +1,93 @@
+"""The launcher's iteration reads device values on the host once ([Note: one host
+sync per iteration] in training_step.py): none per micro batch. On the CPU nothing
+synchronises, so the test counts the host reads the training step itself makes
+(``.tolist()``, ``.item()``, ``float()``/``int()``/``bool()`` of a tensor, ``.cpu()``),
+which on CUDA are the syncs."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+import pytest
+import torch
+
+from megatron_fsdp.training.data import BatchLayout, MockDataset
+from megatron_fsdp.training.lr_schedule import LRDecayStyle, LRSchedule
+from megatron_fsdp.training.model_setup import ModelBundle
+from megatron_fsdp.training.training_step import NaNLossError, StepContext, TrainState, evaluate, train_step
+
+STEP_FILE = sys.modules["megatron_fsdp.training.training_step"].__file__
+READS = ("tolist", "item", "__float__", "__int__", "__bool__", "cpu")
+
+
+@contextlib.contextmanager
+def count_host_reads():
+    """Host reads of tensors made by the training step's own code (the data sources
+    read host tensors of their own, which costs no sync)."""
+    counts = {"n": 0, "sites": []}
+    originals = {name: getattr(torch.Tensor, name) for name in READS}
+
+    def wrap(name, fn):
+        def reader(self, *args, **kwargs):
+            caller = sys._getframe(1).f_code.co_filename
+            if caller == STEP_FILE:
+                counts["n"] += 1
+                counts["sites"].append(f"{name}@{os.path.basename(caller)}:{sys._getframe(1).f_lineno}")
+            return fn(self, *args, **kwargs)
+
+        return reader
+
+    for name, fn in originals.items():
+        setattr(torch.Tensor, name, wrap(name, fn))
+    try:
+        yield counts
+    finally:
+        for name, fn in originals.items():
+            setattr(torch.Tensor, name, fn)
+
+
+class _Model(torch.nn.Sequential):
+    def no_sync(self):  # what the training step asks of DDP and Megatron-FSDP models
+        return contextlib.nullcontext()
+
+
+def _context(num_microbatches: int, poison: dict):
+    torch.manual_seed(0)
+    model = _Model(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16))
+
+    def loss_fn(inputs, targets):
+        logits = model(inputs)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 16), targets.reshape(-1), reduction="sum")
+        return (loss * float("nan") if poison.get("on") else loss), targets.numel()
+
+    bundle = ModelBundle(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2), loss_fn=loss_fn,
+                         is_fsdp=False, num_parameters=0)
+    schedule = LRSchedule(max_lr=1e-2, min_lr=0.0, warmup_steps=0, decay_steps=10, style=LRDecayStyle.CONSTANT)
+    return StepContext(bundle=bundle, schedule=schedule, scaler=None, device=torch.device("cpu"), clip_grad=1.0,
+                       layout=BatchLayout(micro_batch_size=2, num_microbatches=num_microbatches, dp_rank=0, dp_size=1),
+                       per_token_loss=False, check_for_nan=True)
+
+
+@pytest.mark.parametrize("num_microbatches", [1, 4])
+def test_one_host_read_per_iteration(num_microbatches):
+    ctx = _context(num_microbatches, {})
+    source, state = MockDataset(16, 8, seed=1), TrainState()
+    train_step(ctx, state, source)  # warm-up
+    with count_host_reads() as reads:
+        result = train_step(ctx, state, source)
+    assert reads["n"] == 1, reads["sites"]
+    assert result.grad_norm > 0 and result.lm_loss > 0
+    with count_host_reads() as reads:
+        evaluate(ctx, source, eval_iters=2)
+    assert reads["n"] == 1, reads["sites"]
+
+
+def test_nan_loss_raises_before_any_weight_changes():
+    poison = {"on": True}
+    ctx = _context(2, poison)
+    before = [p.detach().clone() for p in ctx.bundle.model.parameters()]
+    with pytest.raises(NaNLossError, match="2 micro batch loss"):
+        train_step(ctx, TrainState(), MockDataset(16, 8, seed=1))
+    assert all(torch.equal(a, b) for a, b in zip(before, ctx.bundle.model.parameters()))
