@@ -84,6 +84,10 @@ class _GroupGradState:
     launched: bool = False
     """A reduction for the current backward pass was issued."""
     reductions_since_zero: int = 0
+    unreduced_backward: bool = False
+    """A backward pass ran since this group's last reduction. Every rank runs the
+    same backward passes, so (unlike which gradients arrived) this is the same on
+    every rank: it decides whether ``start_all`` must reduce a ZeRO-0/1 group."""
     holds_reduced: bool = False
     """The main-grad buffer holds a reduced value (rebase before accumulating more)."""
     outer_reduced: bool = False
@@ -233,7 +237,10 @@ class GradReducePipeline:
             if group.strategy.shards_grads:
                 if state.bucket is not None:
                     self._launch(group, outer=True)
-            elif state.reductions_since_zero == 0:
+            elif state.unreduced_backward or state.reductions_since_zero == 0:
+                # Not ``reductions_since_zero == 0`` alone: zeroing only some items
+                # (a parameter that had no gradient stays None) keeps the count, and
+                # a backward under set_model_auto_sync(False) was then never reduced.
                 self._launch(group, outer=True)
 
     def _launch(self, group: ParameterGroup, async_op: Optional[bool] = None, *, outer: bool) -> None:
@@ -241,6 +248,7 @@ class GradReducePipeline:
         state = self._state[group]
         state.launched = True
         state.reductions_since_zero += 1
+        state.unreduced_backward = False
         self._outer_reduced = False  # new shard-level gradients need an outer reduction
         self.rebase(group)  # [Note: reducing twice without zeroing]
         async_op = self.options.overlap if async_op is None else async_op
@@ -447,6 +455,7 @@ class GradReducePipeline:
         """Before gradients accumulate: rebase buffers that hold a reduced value."""
         for group in self.groups:
             self.rebase(group)
+            self._state[group].unreduced_backward = True
 
     def end_backward(self) -> None:
         """Forget which gradients arrived; the next backward pass starts afresh."""

@@ -208,9 +208,9 @@ def test_module_optimizer_variants(pool2, strategy, variant):
 # -- item 4: gradients read while their sync is deferred ---------------------------------------------
 def auto_sync_worker(rank, world, *, strategy, steps=2):
     torch.manual_seed(0)
-    # Net, not SkipNet: no_shard + deferred sync + a never-used parameter diverges on
-    # main already (root groups; grad_reduce_pipeline), a separate bug.
-    base = Net()
+    # SkipNet: a never-used parameter keeps grad None, so zero_grad zeroes only some
+    # items of its group (that once left no_shard's deferred backward unreduced).
+    base = SkipNet()
     reference = copy.deepcopy(base)
     model, opt = mf.fully_shard(base, lambda p: _optimizer("adamw", p), fsdp_unit_modules=[Block],
                                 zero_dp_strategy=strategy)
