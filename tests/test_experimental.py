@@ -403,14 +403,14 @@ def test_unused_parameter_is_a_clear_error(pool):
         assert result["error"] and "blocks.0" in result["error"] and "unused" in result["error"], result
 
 
-def stale_weights_worker(rank, world, *, foreach):
+def stale_weights_worker(rank, world, *, foreach, strategy="zero3"):
     """bf16 compute weights must follow the fp32 main weights even when the
     optimizer was not wrapped by fully_shard_optimizer (which registers no global
     optimizer hook: the in-place step moves the main weights' version counters)."""
     from torch.optim.optimizer import _global_optimizer_post_hooks
 
     model = make_model("net", d=8, depth=3).to(torch.bfloat16)
-    shard_net(model, make_mesh(world, "zero3"), placements_for("zero3"))
+    shard_net(model, make_mesh(world, strategy), placements_for(strategy))
     opt = torch.optim.SGD(model.parameters(), lr=0.5, foreach=foreach)  # no fully_shard_optimizer
     assert not any("megatron_fsdp" in getattr(h, "__module__", "") for h in _global_optimizer_post_hooks.values())
     x, y = (t.to(torch.bfloat16) for t in make_batches("net", 1, batch=4 * world)[0])
@@ -424,9 +424,10 @@ def stale_weights_worker(rank, world, *, foreach):
     return (got.float() - expected.float()).abs().max().item()
 
 
+@pytest.mark.parametrize("strategy", ["zero3", "no_shard"])
 @pytest.mark.parametrize("foreach", [False, True])
-def test_compute_weights_follow_main_weights_without_optimizer_hooks(pool, foreach):
-    diffs = pool.run(stale_weights_worker, foreach=foreach)
+def test_compute_weights_follow_main_weights_without_optimizer_hooks(pool, foreach, strategy):
+    diffs = pool.run(stale_weights_worker, foreach=foreach, strategy=strategy)
     assert all(diff == 0.0 for diff in diffs), diffs
 
 

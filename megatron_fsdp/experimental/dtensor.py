@@ -41,6 +41,7 @@ _MEAN = {aten.mean.default, aten.mean.dim}
 # Full reductions that fail on a rank holding no rows (torch raises there alone,
 # and the other ranks would wait for it in a collective).
 _NO_EMPTY = {aten.max.default, aten.min.default}
+_ALIASES = {aten.detach.default, aten.alias.default}
 _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 
 
@@ -90,11 +91,10 @@ class FlatDTensor(DTensor):
 def flat_dtensor(
     local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement], *, shape: torch.Size, stride
 ) -> DTensor:
-    """A DTensor over ``local`` (a view, no copy) with per-tensor placements; a
-    ``FlatDTensor`` where some axis is ``Flat``."""
+    """A ``FlatDTensor`` over ``local`` (a view, no copy) with per-tensor placements
+    (also when no axis is ``Flat``: the version counting below applies to every
+    DBuffer tensor)."""
     plain = DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
-    if not any(isinstance(p, Flat) for p in placements):
-        return plain
     return FlatDTensor(plain._local_tensor, plain._spec, requires_grad=plain.requires_grad)
 
 
@@ -196,8 +196,11 @@ def _refuse_mismatched_rows(func, args, kwargs, flats: dict[int, Flat]) -> None:
 def _relabel(t, flats: dict[int, Flat], func):
     """``t`` (an op's output) with ``Flat`` where its rows are the input's; refuses
     a plain Shard or an average over a Flat axis otherwise."""
-    if not isinstance(t, DTensor) or not flats:
+    if not isinstance(t, DTensor):
         return t
+    if not flats:
+        # Only an alias of the input keeps the subclass (nn.Parameter needs detach() to).
+        return FlatDTensor(t._local_tensor, t._spec, requires_grad=t.requires_grad) if func in _ALIASES else t
     placements = list(t.placements)
     for axis, flat in flats.items():
         p = placements[axis]
