@@ -4,6 +4,10 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+# Scripts the tests launch (bench, gpu_check, data tools) import this checkout's
+# package, whatever an installed (possibly editable, elsewhere) copy points at.
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_REPO, os.environ.get("PYTHONPATH")]))
 
 from dist_pool import WorkerPool  # noqa: E402
 
