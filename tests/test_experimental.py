@@ -83,7 +83,10 @@ def shard_net(model: nn.Module, mesh, placements: Placements, policy=None):
     with fully_shard_context() as context:
         for block in model.blocks:
             fully_shard(block, mesh=mesh, placements=placements, mixed_precision_policy=policy)
-        fully_shard(model, mesh=mesh, placements=placements, mixed_precision_policy=policy)
+        # FSDP2's habit (model = fully_shard(model)) works: the same module comes back.
+        returned = fully_shard(model, mesh=mesh, placements=placements, mixed_precision_policy=policy)
+        if returned is not model or not isinstance(returned, FsdpModule):
+            raise AssertionError(f"fully_shard returned {returned!r}, not the sharded module")
     return context
 
 

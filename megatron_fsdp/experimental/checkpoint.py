@@ -3,12 +3,13 @@
 ``save_checkpoint`` / ``load_checkpoint`` write and read a PyTorch Distributed
 Checkpoint (DCP) of the main weights and the optimizer state. A rank's rows of a
 tensor follow the flat layout, not DTensor's even split, so each local shard tells
-DCP its true global extent (``state_dict.attach_dcp_chunks``, shared with the main
-engine); loads therefore reshard to another world size or placement.
+DCP its true global extent (``state_dict.attach_dcp_chunks``; the main engine now
+writes standard torch.chunk DTensors instead); loads therefore reshard to another
+world size or placement.
 
 ``full_state_dict`` gathers the full main weights through the DBuffers (never
-through ``DTensor.full_tensor()``, which assumes torch's even row split; see
-[Note: uneven shards] in dbuffer.py).
+through ``DTensor.full_tensor()``, which is exact on ``FlatDTensor`` parameters but
+gathers one tensor at a time; see [Note: uneven shards] in dbuffer.py).
 """
 
 from __future__ import annotations

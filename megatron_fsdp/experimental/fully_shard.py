@@ -102,14 +102,15 @@ def fully_shard(
     placements: Placements,
     mixed_precision_policy: Optional[MixedPrecisionPolicy] = None,
     grad_divisor: int = 1,
-) -> None:
+) -> FsdpModule:
     """Shard the parameters of ``module`` not already owned by a sharded descendant,
     in place.
 
     The module's class becomes a subclass of ``FsdpModule`` (it keeps its identity,
     so parents need no rewiring; ``isinstance(module, FsdpModule)`` holds); its
-    parameters become sharded DTensors. Returns ``None``, as upstream does: keep
-    using ``module`` (unlike torch FSDP2's ``fully_shard``, nothing is returned).
+    parameters become sharded DTensors. Returns ``module`` itself, as torch FSDP2's
+    ``fully_shard`` does (upstream returns ``None``; code written for either works:
+    ``model = fully_shard(model, ...)`` and a bare ``fully_shard(block, ...)``).
 
     Args:
         mesh: device mesh whose axes are the data-parallel axes.
@@ -150,6 +151,7 @@ def fully_shard(
     except Exception:
         module.__class__ = original
         raise
+    return cast_module
 
 
 def _check_dp_axes(mesh: DeviceMesh, dp_axes: Sequence[MeshAxis]) -> None:

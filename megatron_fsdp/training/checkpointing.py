@@ -132,8 +132,8 @@ class AsyncSaver:
             os.makedirs(tmp)
         dist.barrier()
         torch.save(extra_state, os.path.join(tmp, EXTRA_STATE_FILE.format(rank=rank)))
-        # A private copy first: ZeRO-3 releases (resizes to zero) storages that DCP's own
-        # stager would try to copy whole; compact clones keep the DCP chunk metadata.
+        # A private host copy first (state_dict.clone_for_load): training goes on
+        # while DCP writes, and must not change what is being written.
         staged = tree_map(clone_for_load, _state(checkpoint_module(model), optimizer))
         future = dcp.async_save(staged, checkpoint_id=tmp, process_group=self._group)
         self._pending = (future, root, tmp, iteration)
