@@ -127,6 +127,14 @@ def backward_microbatches(model: nn.Module, x: torch.Tensor, y: torch.Tensor, ra
             (loss_fn("net", model(xm), ym) / len(xs)).backward()
 
 
+def train_steps(model: nn.Module, opt, batches, rank: int, world: int, microbatches: int = 1) -> None:
+    """A wrapped model's plain loop on this rank's shares of ``batches``."""
+    for x, y in batches:
+        opt.zero_grad()
+        backward_microbatches(model, x, y, rank, world, microbatches)
+        opt.step()
+
+
 def train_reference(
     model: nn.Module, kind: str, batches, optimizer: str, freeze: Optional[Callable[[nn.Module], None]] = None
 ) -> nn.Module:

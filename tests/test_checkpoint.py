@@ -12,7 +12,7 @@ import torch.distributed.checkpoint as dcp
 
 import megatron_fsdp as mf
 from megatron_fsdp.checkpoint import materialize_optimizer_state
-from models import Block, loss_fn, make_batches, make_model, make_optimizer, max_param_diff, train_reference
+from models import Block, make_batches, make_model, make_optimizer, max_param_diff, train_reference, train_steps
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 GLOBAL_BATCH = 8  # divisible by world sizes 1, 2 and 4
@@ -28,11 +28,7 @@ def _shard(strategy, model_kwargs=None):
     )
 
 
-def _train(model, opt, batches, rank, world):
-    for x, y in batches:
-        opt.zero_grad()
-        loss_fn("net", model(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
-        opt.step()
+_train = train_steps
 
 
 def _reference(steps):

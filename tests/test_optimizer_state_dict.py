@@ -23,7 +23,7 @@ from conftest import get_pool
 from megatron_fsdp.checkpoint import CheckpointReadError
 from megatron_fsdp.state_dict import chunk_rows, clone_for_load, state_dicts_on
 from megatron_fsdp.utils import make_fsdp_dtensor
-from models import Block, loss_fn, make_batches, make_model, make_optimizer
+from models import Block, loss_fn, make_batches, make_model, make_optimizer, train_steps
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 GLOBAL_BATCH = 8  # divisible by world sizes 1, 2 and 4
@@ -36,11 +36,7 @@ def _shard(strategy):
                           zero_dp_strategy=strategy)
 
 
-def _train(model, opt, batches, rank, world):
-    for x, y in batches:
-        opt.zero_grad()
-        loss_fn("net", model(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
-        opt.step()
+_train = train_steps
 
 
 def _reference(steps):
