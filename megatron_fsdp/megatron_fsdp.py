@@ -186,6 +186,14 @@ class MegatronFSDP(nn.Module):
         self.init_peak_param_bytes = 0
         if init_model_with_meta_device and has_meta_tensors(module):
             self.init_peak_param_bytes = materialize_meta_module(module, buffer, self.device)
+        self._start_runtime(units, sync_model_each_microbatch=sync_model_each_microbatch,
+                            broadcast_buffers=broadcast_buffers)
+
+    # -- construction helpers -----------------------------------------------------
+    def _start_runtime(self, units, *, sync_model_each_microbatch: bool, broadcast_buffers: bool) -> None:
+        """Pipelines, unit hooks and ownership maps over the built buffer; ends with the
+        distributed parameters registered ([Note: registered parameters])."""
+        buffer = self.param_and_grad_buffer
         self.all_gather_pipeline = AllGatherPipeline()
         self.grad_reduce_pipeline = GradReducePipeline(
             buffer.groups,
@@ -232,11 +240,10 @@ class MegatronFSDP(nn.Module):
         self.broadcast_buffers = broadcast_buffers
         self._buffers_need_sync = True
         self._registered = RegisteredParams(
-            module, {c: d for g in buffer.groups for c, d in zip(g.params, g.dist_params)}
+            self.module, {c: d for g in buffer.groups for c, d in zip(g.params, g.dist_params)}
         )
         self._registered.register_dist()
 
-    # -- construction helpers -----------------------------------------------------
     def _check_supported(self) -> None:
         cfg = self.ddp_config
         unsupported = {
