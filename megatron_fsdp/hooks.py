@@ -317,8 +317,10 @@ class HookRuntime:
     def _group_complete(self, group: ParameterGroup) -> None:
         if not (self.reduce_at_boundaries and group.unit is not None):
             self.grad_reduce.reduce(group, sync=self.sync_enabled())
-        # Every use of these weights has produced its gradient: they are free to go.
-        self.all_gather.reshard([group])
+        # Every use of these weights has produced its gradient: they are free to go
+        # (the root's stay inside no_sync: [Note: root groups across micro batches]).
+        if group.unit is not None or self.sync_enabled():
+            self.all_gather.reshard([group])
 
     @_eager
     def _post_backward_final(self) -> None:
@@ -327,8 +329,15 @@ class HookRuntime:
                 self._visit_backward(unit)
             self._request_passed_units()
             # Unused parameters: every rank must still take part, in the same order.
-            self.grad_reduce.reduce_remaining(sync=self.sync_enabled())
-            self.all_gather.reshard(self.buffer.groups)
+            sync = self.sync_enabled()
+            self.grad_reduce.reduce_remaining(sync=sync)
+            # [Note: root groups across micro batches] Inside no_sync more micro
+            # batches follow, whose forwards need the root's weights (embeddings, the
+            # output layer) first: keep them gathered instead of gathering them again
+            # per micro batch, as upstream does. Only the step changes weights, and it
+            # releases every gathered sharded group (install_optimized_model_weights).
+            keep = set() if sync else set(self.root_groups)
+            self.all_gather.reshard([g for g in self.buffer.groups if g not in keep])
             for unit in self.units:
                 unit.state = TrainingState.IDLE
             self.grad_reduce.end_backward()

@@ -457,6 +457,9 @@ class MegatronFSDP(nn.Module):
     # -- parameters ---------------------------------------------------------------
     def install_optimized_model_weights(self) -> None:
         """Copy the optimizer's main weights into the model weights used for compute."""
+        # Sharded groups still gathered (the root's, kept across no_sync micro batches:
+        # hooks.py [Note: root groups across micro batches]) now hold old weights.
+        self.all_gather_pipeline.reshard(self.param_and_grad_buffer.groups)
         outer_gathers = self.param_and_grad_buffer.copy_main_to_model_weights()
         self.all_gather_pipeline.gather_outer(outer_gathers)
         stale = [

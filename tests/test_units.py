@@ -131,3 +131,31 @@ def test_rank_dependent_skip_over_merged_units(pool, strategy, double_buffer):
     assert all(diff < 1e-5 for diff, _ in results), [d for d, _ in results]
     # Every rank issued the same collectives whatever it skipped.
     assert all(seq == results[0][1] for _, seq in results)
+
+
+def root_kept_worker(rank, world, *, strategy):
+    """Two micro batches, the first under no_sync: the root's groups stay gathered
+    between them (hooks.py [Note: root groups across micro batches])."""
+    from models import backward_microbatches, make_optimizer, max_param_diff, train_reference
+
+    torch.manual_seed(0)
+    fsdp, opt = mf.fully_shard(make_model("net"), make_optimizer("adamw"), fsdp_unit_modules=[Block],
+                               zero_dp_strategy=strategy)
+    batches = make_batches("net", 3, batch=4 * world)
+    root_gathers = []
+    for x, y in batches:
+        with mf.record_collectives() as rec:
+            opt.zero_grad()
+            backward_microbatches(fsdp, x, y, rank, world, microbatches=2)
+            opt.step()
+        root_gathers.append(sum(1 for kind, label in rec.labels if kind == "all_gather" and label.startswith("root")))
+    fsdp.finish_param_sync()
+    diff = max_param_diff(mf.get_full_state_dict(fsdp), train_reference(make_model("net"), "net", batches, "adamw"))
+    return diff, root_gathers, len(fsdp.param_and_grad_buffer.groups_of_unit(None))
+
+
+def test_root_stays_gathered_across_no_sync_micro_batches(pool2):
+    for diff, root_gathers, root_groups in pool2.run(root_kept_worker, strategy="optim_grads_params"):
+        assert diff < 1e-5, diff
+        # One gather per root group per step, not one per micro batch (4 before).
+        assert root_gathers[1:] == [root_groups, root_groups], (root_gathers, root_groups)
