@@ -31,6 +31,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .megatron_fsdp import MegatronFSDP, compute_owner_of, owner_of
 from .optimizer_state_dict import state_dict_hooks
+from .piece_dtensor import PieceDTensor, piece_dtensor
 
 logger = logging.getLogger(__name__)
 
@@ -255,9 +256,7 @@ def _restore_state(optimizer: torch.optim.Optimizer, param: DTensor, local: torc
         if isinstance(old, DTensor) and old._local_tensor is value:
             restored[key] = old  # updated in place: the same DTensor
         elif isinstance(value, torch.Tensor) and value.shape == local.shape and value.dim() > 0:
-            restored[key] = DTensor.from_local(
-                value, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
-            )
+            restored[key] = _like_param(value, param)
         else:
             restored[key] = value  # scalars such as Adam's step
     optimizer.state[param] = restored
@@ -301,3 +300,11 @@ def _init_keywords(cls: type) -> Optional[set[str]]:
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
         return None
     return {p.name for p in parameters} - {"self", "params"}
+
+
+def _like_param(local: torch.Tensor, param: DTensor) -> DTensor:
+    """``local`` as a DTensor laid out like ``param`` (its type too: piece_dtensor.py)."""
+    if isinstance(param, PieceDTensor):
+        return piece_dtensor(local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
+    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                              stride=param.stride())

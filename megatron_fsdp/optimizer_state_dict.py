@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 
 from .full_state_dict import gather_unsharded
 from .megatron_fsdp import owner_of
+from .piece_dtensor import PieceDTensor, piece_dtensor
 from .state_dict import full_value, standard_dtensor
 
 if TYPE_CHECKING:
@@ -153,6 +154,8 @@ def _flat_piece(model: "MegatronFSDP", param: DTensor, value: torch.Tensor) -> D
     else:
         start = model.param_and_grad_buffer.local_flat_start(param)
         piece = full.reshape(-1)[start : start + local.numel()].to(dtype=local.dtype, copy=True)
+    if isinstance(param, PieceDTensor):  # keep the parameter's type (piece_dtensor.py)
+        return piece_dtensor(piece, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
     return DTensor.from_local(
         piece, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
     )

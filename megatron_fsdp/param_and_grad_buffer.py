@@ -38,6 +38,7 @@ from .enums import ShardingStrategy
 from .layout import BucketLayout
 from .marks import is_expert_param, is_fsdp_no_shard, restore_marks
 from .mixed_precision import MixedPrecisionPolicy
+from .piece_dtensor import piece_dtensor
 from .units import plan_merge
 from .unsynced_grad import UnsyncedGrad
 from .utils import make_fsdp_dtensor  # noqa: F401  upstream's home of it: Megatron-LM imports it from here
@@ -349,17 +350,17 @@ class ParamAndGradBuffer:
     def as_dtensor(self, group: ParameterGroup, local: torch.Tensor, like: torch.Tensor) -> DTensor:
         """Wrap a local piece as a DTensor with ``like``'s global shape.
 
-        A sharded piece is a 1-D slice of the flat buffer, possibly uneven or empty;
-        elementwise optimizer math only touches local data and norms reduce over the
-        mesh, so DTensor never needs to re-derive the split (checkpointing supplies
-        real offsets separately: see state_dict.py). Replicated groups inside a
-        sharded model become Replicate DTensors, so one optimizer sees one kind."""
-        placements = group.dp.placements
+        A sharded piece is a 1-D slice of the flat buffer, possibly uneven or empty:
+        a ``PieceDTensor``, on which what DTensor would compute wrongly from such a
+        split raises (piece_dtensor.py [Note: flat pieces]; state dicts supply real
+        offsets separately: see state_dict.py). Replicated groups inside a sharded
+        model become Replicate DTensors, so one optimizer sees one kind."""
         if not group.strategy.shards_optimizer:
             placements = (Replicate(),) * group.dp.mesh.ndim
-        return DTensor.from_local(
-            local, group.dp.mesh, placements, run_check=False, shape=like.shape, stride=like.stride()
-        )
+            return DTensor.from_local(
+                local, group.dp.mesh, placements, run_check=False, shape=like.shape, stride=like.stride()
+            )
+        return piece_dtensor(local, group.dp.mesh, group.dp.placements, shape=like.shape, stride=like.stride())
 
     # -- lookups ----------------------------------------------------------------
     def slot(self, compute_param: nn.Parameter) -> tuple[ParameterGroup, int]:

@@ -42,7 +42,9 @@ EXPECTED = {
     # ZeRO-3: forward gathers the 2 root groups + 3 units; backward re-gathers the
     # units except the last one, which stays gathered from its forward to its backward.
     ("optim_grads_params", 1): {"all_gather": 7, "reduce_scatter": 5},
-    ("optim_grads_params", 2): {"all_gather": 14, "reduce_scatter": 10},
+    # Two microbatches (the first under no_sync): the root groups stay gathered
+    # between them (hooks.py [Note: root groups across micro batches]): 7 + 5.
+    ("optim_grads_params", 2): {"all_gather": 12, "reduce_scatter": 10},
     # ZeRO-2: reduce-scatter every microbatch, refresh weights once after the step.
     ("optim_grads", 1): {"all_gather": 5, "reduce_scatter": 5},
     ("optim_grads", 2): {"all_gather": 5, "reduce_scatter": 10},

@@ -1,0 +1,161 @@
+"""``PieceDTensor``: the DTensor type of the main engine's sharded parameters,
+gradients and optimizer states.
+
+[Note: flat pieces] A sharded parameter's local tensor is this rank's 1-D piece of
+its group's flat buffer: possibly uneven, empty, or starting mid-row. It is
+labelled ``Shard(0)`` because elementwise math, full reductions and the optimizers
+only ever touch local data (a norm or a sum reduces over the mesh, whatever the
+split), but DTensor assumes ``torch.chunk``'s rows wherever it moves or reshapes
+data: ``full_tensor()`` returned a (15,) tensor for a (7, 15) weight, ``mean()``
+averaged uneven local means, a view reinterpreted the piece. So around each op:
+
+* allowed as DTensor computes them (exact on any split): pointwise ops, the
+  ``_foreach`` ops, copies and casts, ``*_like`` creation, full ``sum`` and norms;
+  outputs shaped and placed like a piece input stay ``PieceDTensor``s (so clones
+  and optimizer states keep these rules);
+* ``mean()`` of the whole tensor is computed as sum / count (exact);
+* everything else (views, per-dimension reductions, matmuls, indexing, a full
+  ``max``/``min`` that an empty piece cannot take) and ``full_tensor()`` /
+  ``redistribute`` raise ``NotImplementedError`` with the remedy. The decision
+  depends only on the op and the placements, so every rank raises alike and no
+  rank is left waiting in a collective.
+
+Full weights come from ``megatron_fsdp.get_full_state_dict(model)`` or
+``model.state_dict()`` (standard torch.chunk DTensors). The experimental engine's
+``FlatDTensor`` (row-aligned pieces) makes its redistributions exact instead.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+from torch.distributed.tensor import DTensor
+
+__all__ = ["PieceDTensor", "piece_dtensor"]
+
+aten = torch.ops.aten
+_MEAN = {aten.mean.default}
+_FULL_REDUCTIONS = {aten.sum.default, aten.linalg_vector_norm.default, aten.norm.Scalar, aten.norm.ScalarOpt_dtype}
+_ALLOWED = {
+    aten.detach.default, aten.alias.default, aten.clone.default, aten.copy_.default, aten._to_copy.default,
+    aten.zero_.default, aten.fill_.Scalar, aten.fill_.Tensor, aten.zeros_like.default, aten.ones_like.default,
+    aten.empty_like.default, aten.full_like.default, aten.rand_like.default, aten.randn_like.default,
+    aten.is_same_size.default, aten._local_scalar_dense.default, aten.equal.default,
+}
+
+_REMEDY = (
+    "megatron_fsdp's sharded parameters (and their gradients and optimizer states) hold this rank's flat "
+    "piece of a buffer, not torch.chunk's rows, so DTensor would get {what} wrong. Elementwise math, "
+    "full sums and norms, clip_grad_norm_ and optimizers are exact; for full values use "
+    "megatron_fsdp.get_full_state_dict(model) or model.state_dict() (standard DTensors)"
+)
+
+
+class _Kind(enum.Enum):
+    ALLOWED = enum.auto()
+    FOREACH = enum.auto()
+    REDUCTION = enum.auto()
+    """Allowed when it reduces over every dimension."""
+    REFUSED = enum.auto()
+
+
+_KINDS: dict = {}
+"""op -> _Kind, decided once per op (the hot path of every optimizer step)."""
+
+
+def _classify(func) -> _Kind:
+    if func._schema.name.startswith("aten::_foreach"):
+        return _Kind.FOREACH
+    if func in _ALLOWED or torch.Tag.pointwise in func.tags:
+        return _Kind.ALLOWED
+    if func in _FULL_REDUCTIONS:
+        return _Kind.REDUCTION
+    return _Kind.REFUSED
+
+
+def _is_full_reduction(func, args, kwargs) -> bool:
+    dims = kwargs.get("dim", args[2] if func is aten.linalg_vector_norm.default and len(args) > 2 else None)
+    return dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0)
+
+
+class PieceDTensor(DTensor):
+    """A DTensor over a flat piece ([Note: flat pieces])."""
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _MEAN:
+            total = super().__torch_dispatch__(aten.sum.default, types, (args[0],), {"dtype": kwargs.get("dtype")})
+            return total / args[0].numel()
+        kind = _KINDS.get(func)
+        if kind is None:
+            kind = _KINDS[func] = _classify(func)
+        if kind is _Kind.REDUCTION and not _is_full_reduction(func, args, kwargs):
+            kind = _Kind.REFUSED
+        if kind is _Kind.REFUSED:
+            raise NotImplementedError(f"{func}: " + _REMEDY.format(what="it"))
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if out is None or (isinstance(out, (list, tuple)) and not out):
+            return out  # in-place _foreach ops
+        if kind is _Kind.FOREACH and isinstance(out, (list, tuple)) and args and isinstance(args[0], (list, tuple)):
+            # The i-th output comes from the i-th tensor of the first list.
+            return type(out)(_rewrap_like(o, a) for o, a in zip(out, args[0]))
+        if args and isinstance(args[0], PieceDTensor) and isinstance(out, DTensor):
+            return _rewrap_like(out, args[0])  # the common case: a method on a piece
+        return _rewrap(out, _piece_specs(args, kwargs))
+
+    def redistribute(self, device_mesh=None, placements=None, *, async_op=False, **kwargs):  # type: ignore[override]
+        if (device_mesh is None or device_mesh == self.device_mesh) and (
+            placements is None or tuple(placements) == tuple(self.placements)
+        ):
+            return self
+        raise NotImplementedError(f"redistribute to {placements}: " + _REMEDY.format(what="the rows"))
+
+    def full_tensor(self, *, grad_placements=None) -> torch.Tensor:  # type: ignore[override]
+        raise NotImplementedError("full_tensor(): " + _REMEDY.format(what="the full tensor"))
+
+
+def piece_dtensor(local: torch.Tensor, mesh, placements, *, shape: torch.Size, stride) -> PieceDTensor:
+    """A ``PieceDTensor`` over ``local`` (a view, no copy)."""
+    plain = DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+    return PieceDTensor(plain._local_tensor, plain._spec, requires_grad=plain.requires_grad)
+
+
+def _piece_specs(args, kwargs) -> set:
+    specs = set()
+
+    def visit(value):
+        if isinstance(value, PieceDTensor):
+            specs.add((tuple(value.shape), value.placements, value._local_tensor.numel()))
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                visit(item)
+
+    for value in (*args, *kwargs.values()):
+        visit(value)
+    return specs
+
+
+def _rewrap_like(out, like):
+    if (
+        isinstance(like, PieceDTensor)
+        and type(out) is DTensor
+        and out.shape == like.shape
+        and out.placements == like.placements
+        and out._local_tensor.numel() == like._local_tensor.numel()
+    ):
+        return PieceDTensor(out._local_tensor, out._spec, requires_grad=out.requires_grad)
+    return out
+
+
+def _rewrap(out, specs: set):
+    if isinstance(out, (list, tuple)):
+        return type(out)(_rewrap(o, specs) for o in out)
+    if (
+        isinstance(out, DTensor)
+        and not isinstance(out, PieceDTensor)
+        and (tuple(out.shape), out.placements, out._local_tensor.numel()) in specs
+    ):
+        return PieceDTensor(out._local_tensor, out._spec, requires_grad=out.requires_grad)
+    return out
