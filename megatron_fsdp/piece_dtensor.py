@@ -30,7 +30,7 @@ from __future__ import annotations
 import enum
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Shard
 
 __all__ = ["PieceDTensor", "piece_dtensor"]
 
@@ -80,13 +80,19 @@ def _is_full_reduction(func, args, kwargs) -> bool:
 
 
 class PieceDTensor(DTensor):
-    """A DTensor over a flat piece ([Note: flat pieces])."""
+    """A DTensor over a flat piece, or a value reduced from one ([Note: flat pieces])."""
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if not _any_sharded(args, kwargs):
+            # Only values reduced from pieces (a norm, a sum): DTensor is exact on
+            # them, but a Partial one read on the host is this rank's part alone.
+            if func is aten._local_scalar_dense.default and _partial(args[0]):
+                raise NotImplementedError(_PARTIAL_READ)
+            return _rewrap_outputs(super().__torch_dispatch__(func, types, args, kwargs), func, args, kwargs)
         if func in _MEAN:
-            total = super().__torch_dispatch__(aten.sum.default, types, (args[0],), {"dtype": kwargs.get("dtype")})
+            total = cls.__torch_dispatch__(aten.sum.default, types, (args[0],), {"dtype": kwargs.get("dtype")})
             return total / args[0].numel()
         kind = _KINDS.get(func)
         if kind is None:
@@ -96,16 +102,15 @@ class PieceDTensor(DTensor):
         if kind is _Kind.REFUSED:
             raise NotImplementedError(f"{func}: " + _REMEDY.format(what="it"))
         out = super().__torch_dispatch__(func, types, args, kwargs)
-        if out is None or (isinstance(out, (list, tuple)) and not out):
-            return out  # in-place _foreach ops
-        if kind is _Kind.FOREACH and isinstance(out, (list, tuple)) and args and isinstance(args[0], (list, tuple)):
-            # The i-th output comes from the i-th tensor of the first list.
-            return type(out)(_rewrap_like(o, a) for o, a in zip(out, args[0]))
-        if args and isinstance(args[0], PieceDTensor) and isinstance(out, DTensor):
-            return _rewrap_like(out, args[0])  # the common case: a method on a piece
-        return _rewrap(out, _piece_specs(args, kwargs))
+        if kind is _Kind.REDUCTION and type(out) is DTensor:
+            # Keep the guard on the reduced value: reading it (.item()) must not give
+            # this rank's partial sum silently.
+            return PieceDTensor(out._local_tensor, out._spec, requires_grad=out.requires_grad)
+        return _rewrap_outputs(out, func, args, kwargs)
 
     def redistribute(self, device_mesh=None, placements=None, *, async_op=False, **kwargs):  # type: ignore[override]
+        if not _sharded(self):  # a reduced value: DTensor's redistribution is exact
+            return super().redistribute(device_mesh, placements, async_op=async_op, **kwargs)
         if (device_mesh is None or device_mesh == self.device_mesh) and (
             placements is None or tuple(placements) == tuple(self.placements)
         ):
@@ -113,7 +118,47 @@ class PieceDTensor(DTensor):
         raise NotImplementedError(f"redistribute to {placements}: " + _REMEDY.format(what="the rows"))
 
     def full_tensor(self, *, grad_placements=None) -> torch.Tensor:  # type: ignore[override]
+        if not _sharded(self):
+            return super().full_tensor(grad_placements=grad_placements)
         raise NotImplementedError("full_tensor(): " + _REMEDY.format(what="the full tensor"))
+
+
+_PARTIAL_READ = (
+    "reading a partial value on the host: a norm or sum of megatron_fsdp's sharded parameters (or their "
+    "gradients) holds this rank's part until it is reduced over the ranks; call .full_tensor() on it first "
+    "(a collective: on every rank), e.g. p.norm().full_tensor().item()"
+)
+
+
+def _sharded(t: DTensor) -> bool:
+    return any(isinstance(p, Shard) for p in t.placements)
+
+
+def _partial(t) -> bool:
+    return isinstance(t, DTensor) and any(isinstance(p, Partial) for p in t.placements)
+
+
+def _any_sharded(args, kwargs) -> bool:
+    def visit(value) -> bool:
+        if isinstance(value, PieceDTensor):
+            return _sharded(value)
+        if isinstance(value, (list, tuple)):
+            return any(visit(item) for item in value)
+        return False
+
+    return any(visit(v) for v in args) or any(visit(v) for v in kwargs.values())
+
+
+def _rewrap_outputs(out, func, args, kwargs):
+    if out is None or (isinstance(out, (list, tuple)) and not out):
+        return out  # in-place _foreach ops
+    if func._schema.name.startswith("aten::_foreach") and isinstance(out, (list, tuple)) and args \
+            and isinstance(args[0], (list, tuple)):
+        # The i-th output comes from the i-th tensor of the first list.
+        return type(out)(_rewrap_like(o, a) for o, a in zip(out, args[0]))
+    if args and isinstance(args[0], PieceDTensor) and isinstance(out, DTensor):
+        return _rewrap_like(out, args[0])  # the common case: a method on a piece
+    return _rewrap(out, _piece_specs(args, kwargs))
 
 
 def piece_dtensor(local: torch.Tensor, mesh, placements, *, shape: torch.Size, stride) -> PieceDTensor:

@@ -310,7 +310,11 @@ def dtensor_api_worker(rank, world, *, strategy):
             refused[name] = "no error"
         except NotImplementedError as exc:
             refused[name] = str(exc)
-    return exact, refused
+    try:  # a partial value read on the host would be this rank's part alone
+        partial_read = f"no error: {weight.norm().item()}"
+    except NotImplementedError as exc:
+        partial_read = str(exc)
+    return exact, refused, partial_read
 
 
 @pytest.mark.parametrize("strategy", ["optim", "optim_grads", "optim_grads_params"])
@@ -319,6 +323,7 @@ def test_dtensor_apis_on_parameters_are_exact_or_refused(pool2, strategy):
     (mean as sum/count, sums, norms, elementwise math) matches the full weight; what
     it would get wrong (full_tensor gave a (15,) tensor for a (7, 15) weight, mean
     -0.0319 for -0.00105) raises on every rank, naming the remedy."""
-    for exact, refused in pool2.run(dtensor_api_worker, strategy=strategy):
+    for exact, refused, partial_read in pool2.run(dtensor_api_worker, strategy=strategy):
         assert all(v < TOL for v in exact.values()), exact
         assert all("get_full_state_dict" in message for message in refused.values()), refused
+        assert "full_tensor()" in partial_read, partial_read
