@@ -18,7 +18,11 @@ averaged uneven local means, a view reinterpreted the piece. So around each op:
   ``max``/``min`` that an empty piece cannot take) and ``full_tensor()`` /
   ``redistribute`` raise ``NotImplementedError`` with the remedy. The decision
   depends only on the op and the placements, so every rank raises alike and no
-  rank is left waiting in a collective.
+  rank is left waiting in a collective;
+* a value reduced from a piece (a norm, a sum: ``Partial`` over the mesh) stays a
+  ``PieceDTensor``: every op and ``full_tensor()`` work on it as on any DTensor,
+  but reading it on the host (``.item()``, ``float()``) raises, naming
+  ``.full_tensor()``, where plain DTensor would return this rank's part.
 
 Full weights come from ``megatron_fsdp.get_full_state_dict(model)`` or
 ``model.state_dict()`` (standard torch.chunk DTensors). The experimental engine's
