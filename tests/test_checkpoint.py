@@ -28,7 +28,6 @@ def _shard(strategy, model_kwargs=None):
     )
 
 
-_train = train_steps
 
 
 def _reference(steps):
@@ -37,7 +36,7 @@ def _reference(steps):
 
 def save_worker(rank, world, *, strategy, path, steps=2):
     model, opt = _shard(strategy)
-    _train(model, opt, make_batches("net", 4, GLOBAL_BATCH)[:steps], rank, world)
+    train_steps(model, opt, make_batches("net", 4, GLOBAL_BATCH)[:steps], rank, world)
     mf.save_checkpoint(path, model, opt, extra_state={"iteration": steps, "rank": rank})
     return True
 
@@ -45,7 +44,7 @@ def save_worker(rank, world, *, strategy, path, steps=2):
 def resume_worker(rank, world, *, strategy, path, steps_done=2, total=4):
     model, opt = _shard(strategy)  # fresh model (same init seed is irrelevant: overwritten) and optimizer
     extra = mf.load_checkpoint(path, model, opt)
-    _train(model, opt, make_batches("net", total, GLOBAL_BATCH)[steps_done:], rank, world)
+    train_steps(model, opt, make_batches("net", total, GLOBAL_BATCH)[steps_done:], rank, world)
     diff = max_param_diff(mf.get_full_state_dict(model), _reference(total))
     return diff, extra
 
@@ -84,7 +83,7 @@ def fresh_optimizer_worker(rank, world, *, strategy, path):
     model2, opt2 = _shard(strategy)
     mf.load_checkpoint(path, model2, opt2)
     no_state = all(float(st["step"]) == 0 for st in opt2.state.values())
-    _train(model2, opt2, make_batches("net", 2, GLOBAL_BATCH), rank, world)
+    train_steps(model2, opt2, make_batches("net", 2, GLOBAL_BATCH), rank, world)
     return no_state, max_param_diff(mf.get_full_state_dict(model2), _reference(2))
 
 
@@ -98,7 +97,7 @@ def upstream_dcp_flow_worker(rank, world, *, strategy, path):
     """The upstream README flow: dcp.save / dcp.load on the state dicts, then load_state_dict."""
     batches = make_batches("net", 4, GLOBAL_BATCH)
     model, opt = _shard(strategy)
-    _train(model, opt, batches[:2], rank, world)
+    train_steps(model, opt, batches[:2], rank, world)
     dcp.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, checkpoint_id=path)
     model2, opt2 = _shard(strategy, model_kwargs=None)
     materialize_optimizer_state(opt2)  # a fresh optimizer has no state tensors to load into yet
@@ -106,7 +105,7 @@ def upstream_dcp_flow_worker(rank, world, *, strategy, path):
     dcp.load(ckpt, checkpoint_id=path)
     model2.load_state_dict(ckpt["model"], strict=False)
     opt2.load_state_dict(ckpt["optimizer"])
-    _train(model2, opt2, batches[2:], rank, world)
+    train_steps(model2, opt2, batches[2:], rank, world)
     return max_param_diff(mf.get_full_state_dict(model2), _reference(4))
 
 
@@ -117,7 +116,7 @@ def test_upstream_dcp_flow(pool2, tmp_path, strategy):
 
 def state_dict_keys_worker(rank, world, *, strategy):
     model, opt = _shard(strategy)
-    _train(model, opt, make_batches("net", 1, GLOBAL_BATCH), rank, world)
+    train_steps(model, opt, make_batches("net", 1, GLOBAL_BATCH), rank, world)
     sd = model.state_dict()
     osd = opt.state_dict()
     kinds = {type(v).__name__ for v in sd.values()}
@@ -139,7 +138,7 @@ def test_state_dicts_hold_dtensors_keyed_like_the_module(pool2, strategy):
 def export_import_worker(rank, world, *, strategy, path):
     batches = make_batches("net", 3, GLOBAL_BATCH)
     model, opt = _shard(strategy)
-    _train(model, opt, batches, rank, world)
+    train_steps(model, opt, batches, rank, world)
     mf.save_full_state_dict(model, path)
     exported = torch.load(path)
     reference = _reference(3).state_dict()
@@ -169,7 +168,7 @@ def test_export_and_import_plain_state_dicts(pool2, tmp_path, strategy):
 
 def mismatch_worker(rank, world, *, path, case):
     model, opt = _shard("optim_grads_params")
-    _train(model, opt, make_batches("net", 1, GLOBAL_BATCH), rank, world)  # the checkpoint holds optimizer state
+    train_steps(model, opt, make_batches("net", 1, GLOBAL_BATCH), rank, world)  # the checkpoint holds optimizer state
     mf.save_checkpoint(path, model, opt)
     arch = {"shape": dict(d=9), "architecture": dict(depth=2), "corrupt": {}}[case]
     other, other_opt = _shard("optim_grads_params", model_kwargs=arch)
@@ -225,10 +224,10 @@ def save_then_continue_worker(rank, world, *, strategy, path):
     """Saving must not disturb the live run (state_dict() hands out live dicts)."""
     batches = make_batches("net", 4, GLOBAL_BATCH)
     model, opt = _shard(strategy)
-    _train(model, opt, batches[:2], rank, world)
+    train_steps(model, opt, batches[:2], rank, world)
     mf.save_checkpoint(path, model, opt)
     opt.state_dict()
-    _train(model, opt, batches[2:], rank, world)
+    train_steps(model, opt, batches[2:], rank, world)
     return max_param_diff(mf.get_full_state_dict(model), _reference(4))
 
 

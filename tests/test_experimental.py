@@ -29,7 +29,9 @@ from megatron_fsdp.experimental import (
     microbatch,
     save_checkpoint,
 )
-from models import Block, Net, loss_fn, make_batches, make_model, make_optimizer, max_param_diff, train_reference
+from models import (
+    Block, Net, loss_fn, make_batches, make_model, make_optimizer, max_param_diff, train_reference, train_steps,
+)
 
 TOL = 1e-5
 
@@ -143,10 +145,7 @@ def fsdp2_worker(rank, world, *, steps=3):
         fsdp2_fully_shard(block, mesh=mesh)
     fsdp2_fully_shard(fsdp2_model, mesh=mesh)
     opt = make_optimizer("adamw")(fsdp2_model.parameters())
-    for x, y in batches:
-        opt.zero_grad()
-        loss_fn("net", fsdp2_model(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
-        opt.step()
+    train_steps(fsdp2_model, opt, batches, rank, world)
     fsdp2_full = {n: p.full_tensor() for n, p in fsdp2_model.named_parameters()}
     context = shard_net(model, mesh, placements_for("zero3"))
     train_sharded(model, context, batches, "adamw", rank, world)

@@ -12,7 +12,10 @@ import torch
 
 import megatron_fsdp as mf
 from megatron_fsdp.distributed_data_parallel import FullyShardedDataParallel, convert_ddp_config
-from models import Block, backward_microbatches, loss_fn, make_batches, make_model, make_optimizer, max_param_diff, train_reference
+from models import (
+    Block, backward_microbatches, make_batches, make_model,
+    make_optimizer, max_param_diff, train_reference, train_steps,
+)
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 TOL = 1e-5
@@ -147,10 +150,7 @@ def hsdp_worker(rank, world, *, outer, via_groups, steps=3):
     with without_megatron_parallel_state():
         fsdp = FullyShardedDataParallel(None, cfg, model, fsdp_unit_modules=[Block], pg_collection=pg_collection)
     opt = mf.fully_shard_optimizer(make_optimizer("adamw")(fsdp.parameters()))
-    for x, y in batches:
-        opt.zero_grad()
-        loss_fn("net", fsdp(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
-        opt.step()
+    train_steps(fsdp, opt, batches, rank, world)
     index = fsdp.megatron_fsdp_dist_index
     return {
         "diff": max_param_diff(mf.get_full_state_dict(fsdp.module), reference),

@@ -36,7 +36,6 @@ def _shard(strategy):
                           zero_dp_strategy=strategy)
 
 
-_train = train_steps
 
 
 def _reference(steps):
@@ -70,7 +69,7 @@ def _full_state_diff(model, opt, ref_model, ref_opt) -> float:
 # -- standard form ---------------------------------------------------------------------------
 def form_worker(rank, world, *, strategy):
     model, opt = _shard(strategy)
-    _train(model, opt, make_batches("net", 2, GLOBAL_BATCH), rank, world)
+    train_steps(model, opt, make_batches("net", 2, GLOBAL_BATCH), rank, world)
     ref_model, ref_opt = _reference(2)
     osd, ref = opt.state_dict(), ref_opt.state_dict()
     out = dict(ids=sorted(osd["state"]) == sorted(ref["state"]), groups=osd["param_groups"] == ref["param_groups"])
@@ -102,7 +101,7 @@ def test_state_dict_is_standard_and_keyed_like_torch(pool2, strategy):
 
 def full_state_worker(rank, world, *, strategy):
     model, opt = _shard(strategy)
-    _train(model, opt, make_batches("net", 2, GLOBAL_BATCH), rank, world)
+    train_steps(model, opt, make_batches("net", 2, GLOBAL_BATCH), rank, world)
     return _full_state_diff(model, opt, *_reference(2))
 
 
@@ -115,16 +114,16 @@ def test_get_optimizer_state_dict_full_equals_single_process(pool2, strategy):
 def pickle_resume_worker(rank, world, *, strategy):
     batches = make_batches("net", 4, GLOBAL_BATCH)
     model, opt = _shard(strategy)
-    _train(model, opt, batches[:2], rank, world)
+    train_steps(model, opt, batches[:2], rank, world)
     blob = io.BytesIO()
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, blob)
-    _train(model, opt, batches[2:], rank, world)  # the uninterrupted run
+    train_steps(model, opt, batches[2:], rank, world)  # the uninterrupted run
     blob.seek(0)
     saved = torch.load(blob, weights_only=False)
     model2, opt2 = _shard(strategy)
     model2.load_state_dict(saved["model"])
     opt2.load_state_dict(saved["optimizer"])
-    _train(model2, opt2, batches[2:], rank, world)
+    train_steps(model2, opt2, batches[2:], rank, world)
     mine, theirs = mf.get_full_state_dict(model), mf.get_full_state_dict(model2)
     states = [(opt.state[p][k], opt2.state[q][k]) for p, q in zip(model.parameters(), model2.parameters())
               for k in opt.state[p]]
@@ -141,7 +140,7 @@ def test_torch_save_load_resumes_bit_exact(pool2, strategy):
 # -- DCP: resharding across world sizes ------------------------------------------------------
 def dcp_save_worker(rank, world, *, strategy, path):
     model, opt = _shard(strategy)
-    _train(model, opt, make_batches("net", 2, GLOBAL_BATCH), rank, world)
+    train_steps(model, opt, make_batches("net", 2, GLOBAL_BATCH), rank, world)
     dcp.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, checkpoint_id=path)
     return True
 
@@ -155,7 +154,7 @@ def dcp_load_worker(rank, world, *, strategy, path):
     model.load_state_dict(ckpt["model"])
     opt.load_state_dict(ckpt["optimizer"])
     state_diff = _full_state_diff(model, opt, *_reference(2))
-    _train(model, opt, make_batches("net", 4, GLOBAL_BATCH)[2:], rank, world)
+    train_steps(model, opt, make_batches("net", 4, GLOBAL_BATCH)[2:], rank, world)
     ref_model, _ = _reference(4)
     full = mf.get_full_state_dict(model)
     return state_diff, max((full[n] - p.detach()).abs().max().item() for n, p in ref_model.named_parameters())
@@ -223,9 +222,9 @@ def staged_load_worker(rank, world, *, strategy, path):
 
     batches = make_batches("net", 3, GLOBAL_BATCH)
     model, opt = _shard(strategy)
-    _train(model, opt, batches[:2], rank, world)
+    train_steps(model, opt, batches[:2], rank, world)
     mf.save_checkpoint(path, model, opt)
-    _train(model, opt, batches[2:], rank, world)  # the live state moves on
+    train_steps(model, opt, batches[2:], rank, world)  # the live state moves on
     before = _snapshot(model, opt)
     live = {p.to_local().data_ptr() for p in model.parameters()}
     live |= {(v.to_local() if isinstance(v, DTensor) else v).data_ptr() for s in opt.state.values() for v in s.values()}
@@ -287,7 +286,7 @@ def hybrid_worker(rank, world, *, outer, path):
 
     batches = make_batches("net", 4, GLOBAL_BATCH)
     model, opt = shard()
-    _train(model, opt, batches[:2], rank, world)
+    train_steps(model, opt, batches[:2], rank, world)
     diff = _full_state_diff(model, opt, *_reference(2))
     blob = io.BytesIO()
     torch.save(opt.state_dict(), blob)
@@ -296,8 +295,8 @@ def hybrid_worker(rank, world, *, outer, path):
     model2.load_state_dict(model.state_dict())
     blob.seek(0)
     opt2.load_state_dict(torch.load(blob, weights_only=False))
-    _train(model, opt, batches[2:], rank, world)
-    _train(model2, opt2, batches[2:], rank, world)
+    train_steps(model, opt, batches[2:], rank, world)
+    train_steps(model2, opt2, batches[2:], rank, world)
     mine, theirs = mf.get_full_state_dict(model), mf.get_full_state_dict(model2)
     return diff, all(torch.equal(mine[k], theirs[k]) for k in mine)
 

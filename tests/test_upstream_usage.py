@@ -24,7 +24,9 @@ from torch.distributed.device_mesh import init_device_mesh
 import megatron_fsdp as mf
 from megatron_fsdp import MixedPrecisionPolicy, fully_shard, fully_shard_model, fully_shard_optimizer
 from megatron_fsdp.distributed_data_parallel import FullyShardedDataParallel
-from models import Block, loss_fn, make_batches, make_model, make_optimizer, max_param_diff, train_reference
+from models import (
+    Block, loss_fn, make_batches, make_model, make_optimizer, max_param_diff, train_reference, train_steps,
+)
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 TOL = 1e-5
@@ -308,10 +310,7 @@ def adapter_moe_worker(rank, world):
     with _no_parallel_state():
         fsdp = FullyShardedDataParallel(config, ddp_config, copy.deepcopy(model), fsdp_unit_modules=[Block])
     opt = mf.fully_shard_optimizer(make_optimizer("adamw")(fsdp.parameters()))
-    for x, y in batches:
-        opt.zero_grad()
-        loss_fn("net", fsdp(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
-        opt.step()
+    train_steps(fsdp, opt, batches, rank, world)
     index = fsdp.megatron_fsdp_dist_index
     return dict(
         diff=max_param_diff({k: v.float() for k, v in mf.get_full_state_dict(fsdp.module).items()}, reference),
