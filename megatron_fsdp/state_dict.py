@@ -26,11 +26,8 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional
 
 import torch
 import torch.nn as nn
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from .layout import flat_range_boxes
 from .uneven_dtensor import uneven_dtensor_to_full_tensor
 
 if TYPE_CHECKING:
@@ -41,54 +38,6 @@ logger = logging.getLogger(__name__)
 
 class StateDictMismatchError(RuntimeError):
     """Keys or shapes of a state dict / checkpoint do not match the model."""
-
-
-# -- flat shards for the experimental engine ---------------------------------------------
-def attach_dcp_chunks(local: torch.Tensor, global_shape: torch.Size, flat_start: int) -> None:
-    """Teach DCP where the flat ``local`` slice (starting at ``flat_start`` in the
-    parameter's flat order) lies inside the global tensor.
-
-    Only ``experimental/checkpoint.py`` still needs this: it checkpoints live flat
-    shards. The main engine's state dicts hold standard DTensors instead, because
-    these closures on the tensor make ``torch.save`` fail."""
-    boxes = flat_range_boxes(tuple(global_shape), flat_start, flat_start + local.numel())
-    by_offsets = {box.offsets: box for box in boxes}
-    size = torch.Size(global_shape)
-
-    def chunk(box) -> ChunkStorageMetadata:
-        return ChunkStorageMetadata(offsets=torch.Size(box.offsets), sizes=torch.Size(box.sizes))
-
-    def create_write_items(fqn: str, obj: Any) -> list[WriteItem]:
-        properties = TensorProperties.create_from_tensor(local)
-        return [
-            WriteItem(
-                index=MetadataIndex(fqn, torch.Size(box.offsets)),
-                type=WriteItemType.SHARD,
-                tensor_data=TensorWriteData(chunk=chunk(box), properties=properties, size=size),
-            )
-            for box in boxes
-        ]
-
-    def create_chunk_list() -> list[ChunkStorageMetadata]:
-        return [chunk(box) for box in boxes]
-
-    def get_tensor_shard(index: MetadataIndex) -> torch.Tensor:
-        box = by_offsets[tuple(index.offset)]
-        return local[box.flat_start : box.flat_start + box.numel].view(box.sizes)
-
-    local.__create_write_items__ = create_write_items
-    local.__create_chunk_list__ = create_chunk_list
-    local.__get_tensor_shard__ = get_tensor_shard
-
-
-def checkpointable(value: torch.Tensor, like: torch.Tensor, flat_start: int) -> torch.Tensor:
-    """A detached DTensor sharing ``value``'s storage, with DCP chunk metadata
-    (experimental engine only: see ``attach_dcp_chunks``)."""
-    if not isinstance(value, DTensor):
-        return value.detach()
-    fresh = value.detach()
-    attach_dcp_chunks(fresh._local_tensor, like.shape, flat_start)
-    return fresh
 
 
 def clone_for_load(value: Any) -> Any:

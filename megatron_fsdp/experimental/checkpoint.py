@@ -3,8 +3,8 @@
 ``save_checkpoint`` / ``load_checkpoint`` write and read a PyTorch Distributed
 Checkpoint (DCP) of the main weights and the optimizer state. A rank's rows of a
 tensor follow the flat layout, not DTensor's even split, so each local shard tells
-DCP its true global extent (``state_dict.attach_dcp_chunks``; the main engine now
-writes standard torch.chunk DTensors instead); loads therefore reshard to another
+DCP its true global extent (``dcp_chunks.py``; the main engine writes standard
+torch.chunk DTensors instead); loads therefore reshard to another
 world size or placement.
 
 ``full_state_dict`` gathers the full main weights through the DBuffers (never
@@ -23,8 +23,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from ..state_dict import checkpointable
 from .dbuffer import DBuffer
+from .dcp_chunks import checkpointable
 from .module import FsdpModule
 from .parameter_group import sync_model_weights_from_main_weights
 
@@ -79,7 +79,7 @@ def _sharded_entries(model: nn.Module) -> dict[int, tuple[str, torch.Tensor, int
 
 def _dcp_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Tensors sharing storage with the live weights and optimizer state, each local
-    shard carrying its true global extent for DCP (state_dict.attach_dcp_chunks)."""
+    shard carrying its true global extent for DCP (dcp_chunks.attach_dcp_chunks)."""
     entries = _sharded_entries(model)
     state: dict[str, Any] = {}
     for name, p, start in entries.values():
