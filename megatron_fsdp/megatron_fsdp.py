@@ -124,7 +124,9 @@ class MegatronFSDP(nn.Module):
         device: Optional[torch.device] = None,
         calculate_per_token_loss: bool = False,
         init_model_with_meta_device: bool = False,
-        sync_model_each_microbatch: bool = True,
+        # Upstream's class default (fully_shard's is True): gradients are finished by
+        # finish_grad_sync(), which Megatron-LM's loop and fully_shard_optimizer's step call.
+        sync_model_each_microbatch: bool = False,
         keep_fp8_transpose_cache: bool = False,
         nccl_ub: bool = False,
         fsdp_double_buffer: bool = False,

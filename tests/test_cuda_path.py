@@ -57,9 +57,12 @@ def timeout_worker(rank, world):
 
     collectives.wait_work = spy
     try:
+        # MegatronFSDP's default (upstream's) leaves the reduction to finish_grad_sync().
         loss_fn("net", a(x), y).backward()
+        a.finish_grad_sync()
         seen_a, handles[:] = list(handles), []
         loss_fn("net", b(x), y).backward()
+        b.finish_grad_sync()
         seen_b = list(handles)
     finally:
         collectives.wait_work = real_wait

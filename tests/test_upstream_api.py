@@ -30,8 +30,6 @@ OURS = {
 }
 # Defaults that differ on purpose: (callable or class, name) -> why.
 KNOWN_DEFAULT_DIFFERENCES = {
-    ("MegatronFSDP", "sync_model_each_microbatch"): "ours reduces gradients at the end of every backward "
-    "unless no_sync(); upstream defers to the optimizer wrapper. The numbers are the same with fully_shard_optimizer.",
     ("MegatronFSDP", "dist_index"): "ours builds a default (world, 1) mesh when omitted; upstream requires it",
     ("MegatronFSDP", "mixed_precision_policy"): "None derives the policy from ddp_config's megatron_fsdp_*_dtype "
     "fields, which for a default config is MixedPrecisionPolicy() (the same numbers)",
