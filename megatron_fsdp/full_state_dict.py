@@ -75,12 +75,21 @@ def gather_unsharded(group: "ParameterGroup", flat: torch.Tensor, *, outer: bool
     """A new unsharded flat bucket (``layout.padded_numel``) from this rank's
     shard ``flat`` of it; ``outer``: ``flat`` is a piece of the finer HFSDP
     (``optimizer_layout``) split, gathered across the outer group first."""
-    if outer:
-        shard = torch.empty(group.layout.shard_numel, dtype=flat.dtype, device=flat.device)
-        collectives.all_gather(shard, flat, group.dp.outer_group, async_op=False, label=label, timeout=timeout)
-        flat = shard
-    if group.layout.world_size > 1:
-        gathered = torch.empty(group.layout.padded_numel, dtype=flat.dtype, device=flat.device)
-        collectives.all_gather(gathered, flat, group.dp.shard_group, async_op=False, label=label, timeout=timeout)
-        flat = gathered
+    try:
+        if outer:
+            shard = torch.empty(group.layout.shard_numel, dtype=flat.dtype, device=flat.device)
+            collectives.all_gather(shard, flat, group.dp.outer_group, async_op=False, label=label, timeout=timeout)
+            flat = shard
+        if group.layout.world_size > 1:
+            gathered = torch.empty(group.layout.padded_numel, dtype=flat.dtype, device=flat.device)
+            collectives.all_gather(gathered, flat, group.dp.shard_group, async_op=False, label=label, timeout=timeout)
+            flat = gathered
+    except collectives.CollectiveError as exc:
+        # The usual cause is DDP's habit `if rank == 0: torch.save(model.state_dict())`.
+        raise collectives.CollectiveError(
+            f"{exc}\nState dicts of sharded groups are gathered collectively: model.state_dict() under "
+            "ZeRO-3, optimizer.state_dict() under ZeRO-1..3 and get_full_state_dict() must be called on every "
+            "rank of the data-parallel group (then save on one rank), or use megatron_fsdp.save_checkpoint / "
+            "torch.distributed.checkpoint, which every rank calls"
+        ) from exc
     return flat

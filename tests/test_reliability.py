@@ -91,6 +91,50 @@ def test_a_dead_rank_fails_the_others_with_a_named_collective(tmp_path, phase):
         assert re.search(r"(all_gather|reduce_scatter|all_reduce) '[^']+' over 2 ranks failed on rank 0", message), message
 
 
+# -- DDP's habit: only rank 0 asks for the state dict ----------------------------------
+LONE_TIMEOUT_S = 3.0
+
+
+def lone_state_dict_main(rank, world, port, results, reported):
+    init_local_gloo(rank, world, port, timeout_s=60)
+    cfg = mf.DistributedDataParallelConfig(
+        data_parallel_sharding_strategy="optim_grads_params", collective_timeout_s=LONE_TIMEOUT_S
+    )
+    model = mf.MegatronFSDP(make_model("net"), ddp_config=cfg, fsdp_unit_modules=[Block])
+    start = time.monotonic()
+    if rank == 0:
+        try:
+            model.state_dict()  # ZeRO-3: gathers rows from the other rank, which never joins
+            results.put((rank, "returned", "", time.monotonic() - start))
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            results.put((rank, type(exc).__name__, str(exc), time.monotonic() - start))
+        reported.set()
+    else:
+        reported.wait(timeout=60)  # busy elsewhere, as after `if rank == 0:`
+    results.close()
+    results.join_thread()
+    os._exit(0)
+
+
+def test_state_dict_on_one_rank_only_fails_naming_the_fix():
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port, reported = _free_port(), ctx.Event()
+    procs = [ctx.Process(target=lone_state_dict_main, args=(r, 2, port, results, reported)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        rank, kind, message, elapsed = results.get(timeout=120)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    assert (rank, kind) == (0, "CollectiveError"), message
+    assert "must be called on every rank" in message and "save_checkpoint" in message
+    assert elapsed < LONE_TIMEOUT_S + 10  # the model's collective timeout, not a hang
+
+
 def resume_good_worker(rank, world, *, path):
     model, opt = mf.fully_shard(make_model("net"), make_optimizer("adamw"), fsdp_unit_modules=[Block])
     mf.load_checkpoint(path, model, opt)
