@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from megatron_fsdp.experimental import Flat, Placements, fully_shard, fully_shard_context, fully_shard_optimizer
+from megatron_fsdp.experimental.dtensor import FlatSpec, flat_dtensor
 from megatron_fsdp.experimental.layout import GlobalLayout
 from megatron_fsdp.experimental.placement import specialize_placements
 from models import loss_fn, make_batches, make_model
@@ -207,13 +208,38 @@ def test_flat_equality_hash_and_pickle():
     a, b = Flat([3, 5]), Flat([5, 3])
     assert a == Flat([3, 5]) and hash(a) == hash(Flat([3, 5]))
     assert a != b and hash(a) != hash(b)
-    # Equal to a plain Shard(0) (sharding strategies are written with it), but never
-    # hashed alike, so caches keyed by placements keep them apart.
+    # Equal to a plain Shard(0) (torch's shard-order checks need it), but never hashed
+    # alike; their specs are kept apart by FlatSpec ([Note: Flat specs]).
     assert a == Shard(0) and hash(a) != hash(Shard(0)) and a != Shard(1) and a != Replicate()
     assert len({a, Shard(0), b}) == 3
     restored = pickle.loads(pickle.dumps(a))
     assert type(restored) is Flat and restored.rows == (3, 5)
     assert specialize_placements([Flat([3, 5])]) == (Flat(),)
+
+
+def cache_isolation_worker(rank, world):
+    """Ops on Flat tensors and then on plain Shard(0) DTensors of every shape alike:
+    DTensor's native sharding cache must never hand the plain ones the Flat outputs
+    ([Note: Flat specs]; before FlatSpec about 1 shape in 300 leaked, so an FSDP2
+    model next to an experimental one could hang in full_tensor())."""
+    mesh = init_device_mesh("cpu", (world,))
+    leaked, flat_kept = 0, 0
+    for n in range(world, 300):
+        full = torch.ones(n)
+        rows = [n] + [0] * (world - 1)  # a whole small tensor on rank 0, as the flat layout puts it
+        f = flat_dtensor((full if rank == 0 else full[:0]).clone(), mesh, [Flat(rows)], shape=full.shape,
+                         stride=full.stride())
+        outs = [torch.zeros_like(f), f * 2, f.detach()]
+        flat_kept += all(isinstance(o.placements[0], Flat) and type(o._spec) is FlatSpec for o in outs)
+        plain = DTensor.from_local(full.chunk(world)[rank].clone(), mesh, [Shard(0)], shape=full.shape,
+                                   stride=full.stride())
+        leaked += any(isinstance(o.placements[0], Flat) for o in (torch.zeros_like(plain), plain * 2, plain.detach()))
+    return leaked, flat_kept, 300 - world
+
+
+def test_flat_and_plain_dtensors_never_share_cached_shardings(pool2):
+    for leaked, flat_kept, shapes in pool2.run(cache_isolation_worker):
+        assert leaked == 0 and flat_kept == shapes
 
 
 def test_rows_per_rank_follow_the_flat_layout():

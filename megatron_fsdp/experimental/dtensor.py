@@ -19,6 +19,15 @@ tensors have, around each op:
 * in-place ops advance the local tensors' version counters (DTensor's do not),
   which is how stale compute weights are noticed;
 * pickling writes this rank's rows, not the whole flat buffer they are a view of.
+
+[Note: Flat specs] torch requires a ``Shard`` subclass to compare equal to the
+plain ``Shard`` of its dim (DTensorSpec checks its shard order that way), so a
+``Flat`` equals ``Shard(0)`` (placement.py). DTensor's native sharding cache finds
+entries by hash bucket and then equality, so on an unlucky bucket a plain
+``Shard(0)`` DTensor (FSDP2's, a user's) was served the outputs cached for a
+``Flat`` one, rows and all (seen as a hang in ``full_tensor()``, measured at about
+1 op in 300). So every spec with a ``Flat`` placement is a ``FlatSpec``, which
+equals only another ``FlatSpec``: cache keys of the two kinds never match.
 """
 
 from __future__ import annotations
@@ -29,12 +38,13 @@ from collections.abc import Sequence
 import torch
 from torch.distributed import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.placement_types import Placement
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .placement import Flat
 
-__all__ = ["FlatDTensor", "flat_dtensor"]
+__all__ = ["FlatDTensor", "FlatSpec", "flat_dtensor"]
 
 aten = torch.ops.aten
 _MEAN = {aten.mean.default, aten.mean.dim}
@@ -43,6 +53,26 @@ _MEAN = {aten.mean.default, aten.mean.dim}
 _NO_EMPTY = {aten.max.default, aten.min.default}
 _ALIASES = {aten.detach.default, aten.alias.default}
 _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
+
+
+class FlatSpec(DTensorSpec):
+    """A DTensorSpec with a ``Flat`` placement; see [Note: Flat specs]."""
+
+    def __eq__(self, other: object, /) -> bool:
+        return isinstance(other, FlatSpec) and self._check_equals(other)
+
+    __hash__ = DTensorSpec.__hash__  # defining __eq__ would otherwise drop it
+
+
+def _flat_spec(spec: DTensorSpec, placements=None) -> DTensorSpec:
+    """``spec`` (with ``placements``) as a FlatSpec when any placement is Flat."""
+    placements = tuple(spec.placements if placements is None else placements)
+    if not any(isinstance(p, Flat) for p in placements):
+        return spec if placements == spec.placements and type(spec) is DTensorSpec else DTensorSpec(
+            spec.mesh, placements, tensor_meta=spec.tensor_meta)
+    if type(spec) is FlatSpec and all(a is b for a, b in zip(placements, spec.placements)):
+        return spec
+    return FlatSpec(spec.mesh, placements, tensor_meta=spec.tensor_meta)
 
 
 class FlatDTensor(DTensor):
@@ -85,7 +115,10 @@ class FlatDTensor(DTensor):
             staged = tuple(Replicate() if isinstance(p, Flat) else p for p in self.placements)
             replicated = super().redistribute(device_mesh, staged, async_op=async_op, **kwargs)
             return replicated.redistribute(device_mesh, placements, async_op=async_op, **kwargs)
-        return super().redistribute(device_mesh, placements, async_op=async_op, **kwargs)
+        out = super().redistribute(device_mesh, placements, async_op=async_op, **kwargs)
+        # Still Flat on some axis: keep it a FlatDTensor ([Note: Flat specs]).
+        spec = _flat_spec(out._spec)
+        return out if spec is out._spec else FlatDTensor(out._local_tensor, spec, requires_grad=out.requires_grad)
 
 
 def flat_dtensor(
@@ -95,7 +128,7 @@ def flat_dtensor(
     (also when no axis is ``Flat``: the version counting below applies to every
     DBuffer tensor)."""
     plain = DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
-    return FlatDTensor(plain._local_tensor, plain._spec, requires_grad=plain.requires_grad)
+    return FlatDTensor(plain._local_tensor, _flat_spec(plain._spec), requires_grad=plain.requires_grad)
 
 
 def _rebuild(local, mesh, placements, shape, stride, requires_grad) -> "FlatDTensor":
@@ -216,9 +249,9 @@ def _relabel(t, flats: dict[int, Flat], func):
                 f"{flat!r} (the flat buffer's split, not torch.chunk's), so its values would be wrong. "
                 "Take the full tensor first (p.full_tensor() or p.redistribute(mesh, [Replicate()]))"
             )
-    if all(a is b for a, b in zip(placements, t.placements)) and type(t) is FlatDTensor:
+    spec = _flat_spec(t._spec, placements)
+    if spec is t._spec and type(t) is FlatDTensor:
         return t
-    spec = t._spec.__class__(t._spec.mesh, tuple(placements), tensor_meta=t._spec.tensor_meta)
     return FlatDTensor(t._local_tensor, spec, requires_grad=t.requires_grad)
 
 
