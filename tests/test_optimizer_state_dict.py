@@ -22,6 +22,7 @@ import megatron_fsdp as mf
 from conftest import get_pool
 from megatron_fsdp.checkpoint import CheckpointReadError
 from megatron_fsdp.state_dict import chunk_rows, clone_for_load, state_dicts_on
+from megatron_fsdp.uneven_dtensor import uneven_dtensor_to_full_tensor
 from megatron_fsdp.utils import make_fsdp_dtensor
 from models import Block, loss_fn, make_batches, make_model, make_optimizer, train_steps
 
@@ -212,6 +213,44 @@ def test_checkpoint_in_upstreams_form_loads(pool2, pool4, tmp_path, target):
     for pool in (pool2, pool4):
         for state_diff, weight_diff in pool.run(dcp_load_worker, strategy=target, path=path):
             assert state_diff < TOL and weight_diff < TOL
+
+
+def ours_into_upstream_form_worker(rank, world, *, path):
+    """The other way: our trained checkpoint read by upstream's recipe, i.e. dcp.load
+    into upstream-form state dicts (``module.<name>`` keys, uneven make_fsdp_dtensor
+    shards with their chunk metadata, torch's optimizer keys). Upstream's engine
+    needs CUDA; its state-dict form does not."""
+    model, opt = _shard("optim_grads_params")
+    train_steps(model, opt, make_batches("net", 2, GLOBAL_BATCH), rank, world)
+    dcp.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, checkpoint_id=path)
+    ref_model, ref_opt = _reference(2)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+    index = mf.FSDPDistributedIndex(mesh, dp_shard_dim="dp_shard")
+
+    def upstream_empty(t):
+        bounds = _upstream_bounds(t.shape[0], world)
+        local = torch.zeros_like(t.detach()[bounds[rank] : bounds[rank + 1]]).reshape(-1)
+        return make_fsdp_dtensor(local, t, index, run_check=True, update_uneven_dtensor_chunk_meta=True)
+
+    ref = ref_opt.state_dict()
+    model_sd = {"module." + name: upstream_empty(p) for name, p in ref_model.named_parameters()}
+    osd = {"state": {i: {k: (torch.zeros_like(v) if k == "step" else upstream_empty(v)) for k, v in s.items()}
+                     for i, s in ref["state"].items()},
+           "param_groups": copy.deepcopy(ref["param_groups"])}
+    dcp.load({"model": model_sd, "optimizer": osd}, checkpoint_id=path)
+    diff = max((uneven_dtensor_to_full_tensor(model_sd["module." + n]) - p.detach()).abs().max().item()
+               for n, p in ref_model.named_parameters())
+    for i, state in ref["state"].items():
+        for key, value in state.items():
+            got = osd["state"][i][key]
+            got = got if key == "step" else uneven_dtensor_to_full_tensor(got)
+            diff = max(diff, (got.float() - value.float()).abs().max().item())
+    return diff
+
+
+def test_our_checkpoint_loads_in_upstreams_form(pool2, tmp_path):
+    for diff in pool2.run(ours_into_upstream_form_worker, path=str(tmp_path / "ours")):
+        assert diff < TOL
 
 
 # -- load_checkpoint stages host copies; a failed load changes nothing -----------------------
