@@ -44,6 +44,22 @@ logger = logging.getLogger(__name__)
 _eager = torch.compiler.disable
 
 
+def guard_hooks_under_compile() -> None:
+    """[Note: compiled graphs and unit hooks] By default torch.compile does not guard on
+    module hooks (``torch._dynamo.config.skip_nnmodule_hook_guards``): a graph traced
+    for one model of a class served another whose units hook other modules (no_shard
+    has none; ZeRO-3 must gather each unit in its hook), which then read released
+    storage: a segfault, or a wrong number where storage stays allocated. Wrapping a
+    model therefore turns the hook guards on, process-wide; they only add checks,
+    and recompile a graph whose modules' hooks changed."""
+    import torch._dynamo.config as config  # already imported by torch.compiler.disable above
+
+    if getattr(config, "skip_nnmodule_hook_guards", False):
+        logger.info("megatron_fsdp: torch._dynamo.config.skip_nnmodule_hook_guards set to False "
+                    "(compiled graphs must see the unit hooks; see hooks.py)")
+        config.skip_nnmodule_hook_guards = False
+
+
 @dataclasses.dataclass(eq=False)
 class FSDPUnit:
     index: int

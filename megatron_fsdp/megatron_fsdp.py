@@ -21,7 +21,7 @@ from .config import DistributedDataParallelConfig, check_unimplemented
 from .distributed_index import FSDPDistributedIndex, build_default_mesh
 from .enums import BucketStatus, ShardingStrategy
 from .grad_reduce_pipeline import GradReducePipeline, GradReduceOptions
-from .hooks import FSDPUnit, HookRuntime
+from .hooks import FSDPUnit, HookRuntime, guard_hooks_under_compile
 from .marks import is_fsdp_no_shard
 from .meta_init import has_meta_tensors, materialize_meta_module
 from .mixed_precision import MixedPrecisionPolicy
@@ -213,6 +213,7 @@ class MegatronFSDP(nn.Module):
             FSDPUnit(index=i, name=u.name, modules=u.modules, groups=buffer.groups_of_unit(i)) for i, u in enumerate(units)
         ]
         self._auto_sync = sync_model_each_microbatch
+        guard_hooks_under_compile()
         self.backward_since_step = False
         """Set by every backward pass, cleared by the optimizer step (misuse check)."""
         self._no_sync_depth = 0
@@ -314,6 +315,18 @@ class MegatronFSDP(nn.Module):
 
     # -- forward ------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._before_forward()
+        try:
+            output = self.module(*args, **kwargs)
+        finally:
+            self._registered.register_dist()
+        return self._runtime.root_post_forward(output)
+
+    @torch.compiler.disable
+    def _before_forward(self) -> None:
+        """The wrapper's bookkeeping, run eagerly under torch.compile (hooks.py [Note: hooks
+        under torch.compile]): traced, it guarded on every parameter's id and recompiled
+        for every model."""
         self._sync_requires_grad()
         self._refresh_edited_weights()
         if self.broadcast_buffers and self._buffers_need_sync:
@@ -323,11 +336,6 @@ class MegatronFSDP(nn.Module):
         self._runtime.root_pre_forward()
         # [Note: registered parameters]: the module's code reads compute weights.
         self._registered.register_compute()
-        try:
-            output = self.module(*args, **kwargs)
-        finally:
-            self._registered.register_dist()
-        return self._runtime.root_post_forward(output)
 
     # -- gradient synchronisation --------------------------------------------------
     def _sync_enabled(self) -> bool:

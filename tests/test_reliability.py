@@ -27,6 +27,23 @@ def _die_on_rank1(rank):
         os._exit(17)
 
 
+def _first_report(main, *args):
+    """Run ``main(rank, 2, port, *args, results)`` on two spawned ranks; the first
+    (rank, kind, message, seconds) one of them reports, and the processes (joined)."""
+    ctx = mp.get_context("spawn")
+    results, port = ctx.Queue(), _free_port()
+    procs = [ctx.Process(target=main, args=(r, 2, port, *args, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        return results.get(timeout=120), procs
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+
+
 def dead_rank_main(rank, world, port, phase, path, results):
     init_local_gloo(rank, world, port, timeout_s=60)
     cfg = mf.DistributedDataParallelConfig(
@@ -67,19 +84,7 @@ def dead_rank_main(rank, world, port, phase, path, results):
 
 @pytest.mark.parametrize("phase", ["forward", "backward", "checkpoint"])
 def test_a_dead_rank_fails_the_others_with_a_named_collective(tmp_path, phase):
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=dead_rank_main, args=(r, 2, port, phase, str(tmp_path), results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        rank, kind, message, elapsed = results.get(timeout=120)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    (rank, kind, message, elapsed), procs = _first_report(dead_rank_main, phase, str(tmp_path))
     assert rank == 0 and procs[1].exitcode == 17
     assert elapsed < COLLECTIVE_TIMEOUT_S + 20  # bounded: never a hang
     if phase == "checkpoint":
@@ -95,7 +100,7 @@ def test_a_dead_rank_fails_the_others_with_a_named_collective(tmp_path, phase):
 LONE_TIMEOUT_S = 3.0
 
 
-def lone_state_dict_main(rank, world, port, results, reported):
+def lone_state_dict_main(rank, world, port, reported, results):
     init_local_gloo(rank, world, port, timeout_s=60)
     cfg = mf.DistributedDataParallelConfig(
         data_parallel_sharding_strategy="optim_grads_params", collective_timeout_s=LONE_TIMEOUT_S
@@ -117,19 +122,8 @@ def lone_state_dict_main(rank, world, port, results, reported):
 
 
 def test_state_dict_on_one_rank_only_fails_naming_the_fix():
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port, reported = _free_port(), ctx.Event()
-    procs = [ctx.Process(target=lone_state_dict_main, args=(r, 2, port, results, reported)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        rank, kind, message, elapsed = results.get(timeout=120)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    reported = mp.get_context("spawn").Event()
+    (rank, kind, message, elapsed), _ = _first_report(lone_state_dict_main, reported)
     assert (rank, kind) == (0, "CollectiveError"), message
     assert "must be called on every rank" in message and "save_checkpoint" in message
     assert elapsed < LONE_TIMEOUT_S + 10  # the model's collective timeout, not a hang

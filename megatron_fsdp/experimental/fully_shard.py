@@ -26,6 +26,7 @@ from torch.distributed import DeviceMesh
 from torch.distributed.tensor.placement_types import Placement
 
 from .. import device as device_lib
+from ..hooks import guard_hooks_under_compile
 from ..mixed_precision import MixedPrecisionPolicy
 from .module import FsdpContext, FsdpModule
 
@@ -134,6 +135,7 @@ def fully_shard(
                 "inside one `with fully_shard_context():`"
             )
     _check_dp_axes(mesh, placements.dp_axes)
+    guard_hooks_under_compile()  # hooks.py [Note: compiled graphs and unit hooks]
     policy = mixed_precision_policy or MixedPrecisionPolicy()
     original = type(module)
     module.__class__ = type(f"ExperimentalFsdp{original.__name__}", (FsdpModule, original), {})
