@@ -22,7 +22,9 @@ pytest.importorskip("megatron.core")
 import torch  # noqa: E402
 
 from megatron_fsdp.models import GPT, GPTConfig, gpt_loss  # noqa: E402
-from megatron_fsdp.models.mcore import build_mcore_gpt, mcore_unsupported, to_mcore_state_dict  # noqa: E402
+from megatron_fsdp.models.mcore import (  # noqa: E402
+    balancing_loss_reader, build_mcore_gpt, mcore_unsupported, to_mcore_state_dict,
+)
 
 SEQ, VOCAB = 16, 64
 SMALL = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=SEQ, vocab_size=VOCAB)
@@ -70,14 +72,18 @@ def compare_worker(rank, world, *, name):
         with torch.no_grad():
             logit_diff = (ours(inputs) - theirs(inputs, positions, None)).abs().max().item()
         theirs.train(), ours.train()
+        reader = balancing_loss_reader(cfg)
+        if reader is not None:
+            reader.clear()
         gpt_loss(ours(inputs), targets).backward()
         theirs(inputs, positions, None, labels=targets).mean().backward()  # per-token losses (b, t)
+        balancing = None if reader is None else (ours.moe_load_balancing_loss().item(), reader().item())
     our_grads = to_mcore_state_dict({n: p.grad for n, p in ours.named_parameters()}, cfg)
     grad_diff = max((our_grads[n] - p.grad).abs().max().item() for n, p in theirs.named_parameters())
     router_grad = sum(p.grad.abs().sum().item() for n, p in theirs.named_parameters() if "router" in n)
     return dict(missing=[m for m in missing if not m.endswith("_extra_state")], unexpected=list(unexpected),
                 logit_diff=logit_diff, grad_diff=grad_diff, router_grad=router_grad,
-                aux=None if ours.moe_aux_loss() is None else ours.moe_aux_loss().item())
+                aux=None if ours.moe_aux_loss() is None else ours.moe_aux_loss().item(), balancing=balancing)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -90,6 +96,10 @@ def test_embedded_gpt_computes_what_megatron_core_computes(pool2, name):
     if CONFIGS[name].get("moe_aux_loss_coeff"):
         # The balancing loss took part: each of the 2 layers contributes >= coeff.
         assert result["aux"] >= 2 * CONFIGS[name]["moe_aux_loss_coeff"] * 0.999, result
+        # The launcher's load_balancing_loss reads megatron-core's tracker for
+        # --use-mcore-models (McoreBalancingLoss): the embedded GPT's value.
+        ours, theirs = result["balancing"]
+        assert abs(ours - theirs) < 1e-6 and ours >= 0.999, result
 
 
 def test_build_refuses_what_megatron_core_cannot_run():

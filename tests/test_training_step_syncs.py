@@ -91,3 +91,35 @@ def test_nan_loss_raises_before_any_weight_changes():
     with pytest.raises(NaNLossError, match="2 micro batch loss"):
         train_step(ctx, TrainState(), MockDataset(16, 8, seed=1))
     assert all(torch.equal(a, b) for a, b in zip(before, ctx.bundle.model.parameters()))
+
+
+class _Tracker:
+    """Stands in for models.mcore.McoreBalancingLoss: megatron-core's tracker adds
+    each training forward's value; it must be cleared before every micro batch."""
+
+    def __init__(self):
+        self.values, self.events = 0.0, []
+
+    def clear(self):
+        self.values = 0.0
+        self.events.append("clear")
+
+    def __call__(self):
+        self.events.append("read")
+        return torch.tensor(self.values)
+
+
+def test_megatron_core_balancing_loss_is_read_per_micro_batch():
+    ctx = _context(3, {})
+    tracker = ctx.bundle.moe_balancing = _Tracker()
+    forward = ctx.bundle.loss_fn
+
+    def recording_loss_fn(inputs, targets):
+        tracker.values += 1.5  # what megatron-core's routers record in a training forward
+        return forward(inputs, targets)
+
+    ctx.bundle.loss_fn = recording_loss_fn
+    tracker.values = 100.0  # left over from an evaluation forward: must not leak in
+    result = train_step(ctx, TrainState(), MockDataset(16, 8, seed=1))
+    assert tracker.events == ["clear", "read"] * 3
+    assert abs(result.load_balancing_loss - 1.5) < 1e-12  # mean over micro batches, one rank

@@ -175,3 +175,43 @@ def to_mcore_state_dict(state_dict: dict[str, torch.Tensor], cfg: GPTConfig) -> 
     if cfg.position_embedding_type is not PositionEmbeddingType.LEARNED_ABSOLUTE:
         out.pop("embedding.position_embeddings.weight", None)
     return out
+
+
+class McoreBalancingLoss:
+    """megatron-core's ``load_balancing_loss`` of the latest forward, as Megatron-LM
+    logs it and as the embedded GPT's ``moe_load_balancing_loss`` reports it: each
+    MoE layer's aux loss without its coefficient, averaged over the MoE layers.
+
+    megatron-core's routers add ``aux_loss / coeff`` per layer to a process-wide
+    tracker (``moe_utils.get_moe_layer_wise_logging_tracker``) on every training
+    forward; Megatron-LM's ``training_log`` reads and zeroes it once per iteration.
+    Here ``clear()`` runs before a micro batch's forward (so evaluation forwards,
+    which also record, never leak in) and ``__call__`` reads it after."""
+
+    NAME = "load_balancing_loss"
+
+    def __init__(self, num_moe_layers: int) -> None:
+        self.num_moe_layers = num_moe_layers
+
+    @staticmethod
+    def _tracker() -> dict:
+        from megatron.core.transformer.moe import moe_utils
+
+        return moe_utils.get_moe_layer_wise_logging_tracker()
+
+    def clear(self) -> None:
+        entry = self._tracker().get(self.NAME)
+        if entry is not None:
+            entry["values"].zero_()
+
+    def __call__(self) -> torch.Tensor:
+        entry = self._tracker().get(self.NAME)
+        if entry is None:  # coefficient 0: megatron-core records nothing
+            return torch.zeros(())
+        return entry["values"].detach().sum() / self.num_moe_layers
+
+
+def balancing_loss_reader(cfg: GPTConfig) -> "McoreBalancingLoss | None":
+    """The reader for an MoE ``cfg`` (every layer MoE: see ``mcore_unsupported``);
+    ``None`` for a dense model."""
+    return McoreBalancingLoss(cfg.num_layers) if cfg.num_moe_experts is not None else None

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -48,6 +48,9 @@ class ModelBundle:
     num_parameters: int
     autocast_dtype: Optional[torch.dtype] = None
     """Set on the DDP path in reduced precision (see [Note: mixed precision under DDP])."""
+    moe_balancing: Optional[Any] = None
+    """megatron-core MoE models: ``models.mcore.McoreBalancingLoss`` (``clear()`` before a
+    micro batch's forward, called after it). The embedded GPT reports its own."""
 
     @property
     def params(self) -> list[torch.Tensor]:
@@ -89,8 +92,13 @@ def setup_model_and_optimizer(args, device: torch.device) -> ModelBundle:
         model = _wrap_ddp(module, args, device)
         optimizer = build_optimizer(model, args)
         autocast = None if dtype is torch.float32 else dtype
+    balancing = None
+    if args.use_mcore_models:
+        from megatron_fsdp.models import mcore as mcore_models
+
+        balancing = mcore_models.balancing_loss_reader(gpt_config_from_args(args))
     return ModelBundle(model=model, optimizer=optimizer, loss_fn=loss_fn_factory(model), is_fsdp=args.use_megatron_fsdp,
-                       num_parameters=num_parameters, autocast_dtype=autocast)
+                       num_parameters=num_parameters, autocast_dtype=autocast, moe_balancing=balancing)
 
 
 # -- models -----------------------------------------------------------------------

@@ -118,6 +118,8 @@ def _forward_backward(ctx: StepContext, source: SampleSource, consumed: int) -> 
         # Gradients are synchronised only after the last micro batch (ZeRO-2/3 still reduce-scatter each one).
         sync = contextlib.nullcontext() if last else bundle.model.no_sync()
         with sync:
+            if bundle.moe_balancing is not None:
+                bundle.moe_balancing.clear()
             with ctx.timers.time("forward-compute"), bundle.forward_context(ctx.device):
                 loss_sum, tokens = bundle.loss_fn(inputs, targets)
             balancing = _moe_balancing_loss(ctx)
@@ -136,8 +138,10 @@ def _forward_backward(ctx: StepContext, source: SampleSource, consumed: int) -> 
 
 def _moe_balancing_loss(ctx: StepContext) -> Optional[torch.Tensor]:
     """The MoE load-balancing loss of the forward just run, as Megatron-LM logs it (the
-    embedded GPT's ``moe_load_balancing_loss``: no coefficient, mean over MoE layers);
-    None for a dense model or one that does not report it."""
+    embedded GPT's ``moe_load_balancing_loss`` or megatron-core's tracker: no
+    coefficient, mean over MoE layers); None for a dense model."""
+    if ctx.bundle.moe_balancing is not None:
+        return ctx.bundle.moe_balancing()
     module = getattr(ctx.bundle.model, "module", ctx.bundle.model)
     report = getattr(module, "moe_load_balancing_loss", None)
     return report() if report is not None else None
