@@ -139,18 +139,46 @@ def _foreign_param_message(param: torch.Tensor) -> str:
     )
 
 
-def check_no_compute_params(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-    """Global step pre-hook: an optimizer stepping the wrapped module's compute
-    parameters would train silently wrong (they are overwritten after each step,
-    and under ZeRO-1/2/3 their gradients are not the reduced ones)."""
+def check_step_inputs(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    """Global step pre-hook, before any weight changes.
+
+    * An optimizer stepping the wrapped module's compute parameters would train
+      silently wrong (they are overwritten after each step, and under ZeRO-1/2/3
+      their gradients are not the reduced ones): refused.
+    * [Note: plain optimizers] A plain torch optimizer built on ``model.parameters()``
+      (DDP's habit, without ``fully_shard_optimizer``) is bound here, at its first
+      step, exactly as ``fully_shard_optimizer`` would bind it (state stays lazy):
+      its step then finishes a deferred gradient sync first and installs the
+      updated weights after. Unbound it trained ZeRO-1/2 on stale compute weights
+      and ZeRO-3 with deferred sync on stale root groups (0.007-0.06 off). The
+      binding's own pre-hook, registered now, runs right after this one.
+    * One optimizer over megatron_fsdp parameters and others: refused (the binding
+      needs every parameter owned by a wrapped model)."""
+    owned, foreign = False, None
     for group in optimizer.param_groups:
         for param in group["params"]:
             if compute_owner_of(param) is not None:
                 raise ValueError(_foreign_param_message(param))
+            if owner_of(param) is not None:
+                owned = True
+            elif foreign is None:
+                foreign = param
+    if not owned or getattr(optimizer, "megatron_fsdp_binding", None) is not None:
+        return
+    if foreign is not None:
+        raise ValueError(
+            f"{type(optimizer).__name__} holds megatron_fsdp parameters and others (one of shape "
+            f"{tuple(foreign.shape)} belongs to no MegatronFSDP model): megatron_fsdp must finish each step of "
+            "its parameters (gradient sync before, weight install after). Use one optimizer for the wrapped "
+            "model's parameters (fully_shard_optimizer(Opt(model.parameters()))) and another for the rest"
+        )
+    bind_optimizer(optimizer, create_state=False)
+    logger.info("megatron_fsdp: %s bound at its first step (as fully_shard_optimizer binds it)",
+                type(optimizer).__name__)
 
 
 # Registered once per process: runs before every optimizer's step.
-register_optimizer_step_pre_hook(check_no_compute_params)
+register_optimizer_step_pre_hook(check_step_inputs)
 
 
 # -- eager state ---------------------------------------------------------------------
