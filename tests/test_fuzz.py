@@ -83,6 +83,9 @@ def draw_config(index: int) -> dict:
     # the low-precision gradient paths.
     fp32_grads = compute == "fp32" and {cfg["main_grads"], cfg["grad_comm"]} <= {"auto", "fp32"}
     cfg["optimizer"] = pick(["sgd", "adamw"]) if fp32_grads else "sgd"
+    # Drawn last, so the earlier fields of a draw stay those of older campaigns.
+    # "plain": DDP's habit, a torch optimizer on model.parameters() ([Note: plain optimizers]).
+    cfg["binding"] = pick(["fully_shard", "fully_shard", "plain"])
     return cfg
 
 
@@ -199,9 +202,7 @@ def fuzz_worker(rank, world, *, cfg):
         policy = mf.MixedPrecisionPolicy(
             main_params_dtype=cfg["main_params"], main_grads_dtype=cfg["main_grads"], grad_comm_dtype=cfg["grad_comm"]
         )
-        model, opt = mf.fully_shard(
-            module,
-            _optimizer(cfg["optimizer"]),
+        wrap = dict(
             fsdp_unit_modules=UNITS[cfg["units"]],
             zero_dp_strategy=cfg["strategy"],
             outer_dp_sharding_strategy=cfg["outer"],
@@ -217,6 +218,11 @@ def fuzz_worker(rank, world, *, cfg):
             suggested_communication_unit_size=cfg["suggested"],
             **mesh_kwargs,
         )
+        if cfg["binding"] == "plain":
+            model = mf.fully_shard_model(module, **wrap)
+            opt = _optimizer(cfg["optimizer"])(model.parameters())
+        else:
+            model, opt = mf.fully_shard(module, _optimizer(cfg["optimizer"]), **wrap)
     except (ValueError, NotImplementedError) as exc:
         assert str(exc), "an error without a message"
         return "rejected", f"{type(exc).__name__}: {exc}"
