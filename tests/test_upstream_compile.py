@@ -33,20 +33,25 @@ def _inductor_missing() -> str:
     return ""
 
 
-def compile_worker(rank, world, *, strategy):
-    batches = make_batches("net", 3, GLOBAL_BATCH)
+def _compiled_vs_eager(rank, world, *, steps, backend="inductor", **wrap) -> float:
+    """Max weight difference between eager and ``torch.compile`` training of the same
+    wrapped model (``wrap``: fully_shard_model's arguments)."""
     results = []
     for compiled in (False, True):
-        model = mf.fully_shard_model(module=make_model("net", depth=2), fsdp_unit_modules=[Block], zero_dp_strategy=strategy)
-        runner = torch.compile(model) if compiled else model
+        model = mf.fully_shard_model(module=make_model("net", depth=2), **wrap)
+        runner = torch.compile(model, backend=backend) if compiled else model
         optimizer = mf.fully_shard_optimizer(make_optimizer("adamw")(model.parameters()))
-        for x, y in batches:
+        for x, y in make_batches("net", steps, GLOBAL_BATCH):
             optimizer.zero_grad()
             loss_fn("net", runner(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
             optimizer.step()
         results.append(mf.get_full_state_dict(model))
     eager, compiled = results
     return max((eager[k] - compiled[k]).abs().max().item() for k in eager)
+
+
+def compile_worker(rank, world, *, strategy):
+    return _compiled_vs_eager(rank, world, steps=3, fsdp_unit_modules=[Block], zero_dp_strategy=strategy)
 
 
 @pytest.mark.skipif(bool(_inductor_missing()), reason=_inductor_missing() or "inductor available")
@@ -58,22 +63,11 @@ def test_compiled_model_trains_like_eager(pool2, strategy):
 
 def unit_layouts_worker(rank, world, *, backend="inductor"):
     """One class, four unit layouts, each compiled after the others in this process."""
-    batches = make_batches("net", 2, GLOBAL_BATCH)
-    diffs = []
-    for units in ([Block], [], [nn.Linear], [nn.LayerNorm, Block]):
-        results = []
-        for compiled in (False, True):
-            model = mf.fully_shard_model(module=make_model("net", depth=2), fsdp_unit_modules=units,
-                                         zero_dp_strategy="optim_grads_params")
-            runner = torch.compile(model, backend=backend) if compiled else model
-            optimizer = mf.fully_shard_optimizer(make_optimizer("adamw")(model.parameters()))
-            for x, y in batches:
-                optimizer.zero_grad()
-                loss_fn("net", runner(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
-                optimizer.step()
-            results.append(mf.get_full_state_dict(model))
-        diffs.append(max((results[0][k] - results[1][k]).abs().max().item() for k in results[0]))
-    return max(diffs)
+    return max(
+        _compiled_vs_eager(rank, world, steps=2, backend=backend, fsdp_unit_modules=units,
+                           zero_dp_strategy="optim_grads_params")
+        for units in ([Block], [], [nn.Linear], [nn.LayerNorm, Block])
+    )
 
 
 @pytest.mark.skipif(bool(_inductor_missing()), reason=_inductor_missing() or "inductor available")
