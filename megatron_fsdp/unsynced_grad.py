@@ -3,11 +3,12 @@ sync is deferred.
 
 [Note: deferred gradient sync] With auto-sync off (``MegatronFSDP``'s default
 ``sync_model_each_microbatch=False``, as upstream's; ``set_model_auto_sync(False)``)
-or inside ``model.no_sync()``, a backward accumulates gradients in the main-gradient buffers
-but does not reduce them; the reduced gradients reach the distributed parameters at
-``model.finish_grad_sync()`` (which a ``fully_shard_optimizer``'s ``step()`` calls
-first). Until then ``.grad`` holds none of the new gradients: it was ``None`` (then
-``clip_grad_norm_`` silently saw a norm of 0) or the previous step's values. So
+or inside ``model.no_sync()``, a backward accumulates gradients in the
+main-gradient buffers but does not reduce them; the reduced gradients reach the
+distributed parameters at ``model.finish_grad_sync()``, which the step of any
+optimizer over the model's parameters calls first (optimizer.py [Note: plain
+optimizers]). Until then ``.grad`` holds none of the new gradients: it was ``None``
+(then ``clip_grad_norm_`` silently saw a norm of 0) or the previous step's values. So
 after such a backward every trainable distributed parameter's ``.grad`` is an
 ``UnsyncedGrad``: any operation on it (a norm, clipping, logging, ``zero_()``)
 raises with the remedy. Setting it to ``None`` (``optimizer.zero_grad()``)
@@ -26,7 +27,8 @@ UNSYNCED_MESSAGE = (
     "(MegatronFSDP(sync_model_each_microbatch=False), its default as upstream's; set_model_auto_sync(False); "
     "or no_sync()): the backward accumulated local, unreduced gradients, and "
     "the reduced ones only reach .grad at model.finish_grad_sync(). Call model.finish_grad_sync() before "
-    "reading gradients (clip_grad_norm_, norms, logging); a fully_shard_optimizer's step() calls it itself. "
+    "reading gradients (clip_grad_norm_, norms, logging); an optimizer's step() over the model's parameters "
+    "calls it itself. "
     "To discard them instead, set the gradients to None (optimizer.zero_grad())"
 )
 
