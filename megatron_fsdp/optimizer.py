@@ -151,7 +151,8 @@ def check_step_inputs(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dic
       its step then finishes a deferred gradient sync first and installs the
       updated weights after. Unbound it trained ZeRO-1/2 on stale compute weights
       and ZeRO-3 with deferred sync on stale root groups (0.007-0.06 off). The
-      binding's own pre-hook, registered now, runs right after this one.
+      binding's own pre-hook, registered now, runs right after this one. State
+      loaded before (a resume) is loaded again through the binding.
     * One optimizer over megatron_fsdp parameters and others: refused (the binding
       needs every parameter owned by a wrapped model)."""
     owned, foreign = False, None
@@ -172,7 +173,13 @@ def check_step_inputs(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dic
             "its parameters (gradient sync before, weight install after). Use one optimizer for the wrapped "
             "model's parameters (fully_shard_optimizer(Opt(model.parameters()))) and another for the rest"
         )
+    # State loaded before the first step (a resume: load_state_dict of a standard-form
+    # state dict) is in the layout of the state dict, not of the flat pieces the
+    # step works on: load it again, through the binding's load hook.
+    loaded = optimizer.state_dict() if optimizer.state else None
     bind_optimizer(optimizer, create_state=False)
+    if loaded is not None:
+        optimizer.load_state_dict(loaded)
     logger.info("megatron_fsdp: %s bound at its first step (as fully_shard_optimizer binds it)",
                 type(optimizer).__name__)
 
