@@ -77,27 +77,7 @@ def fully_shard_model(
     elif dp_shard_dim is None:
         raise ValueError("dp_shard_dim is required with a device_mesh: name the mesh dimension to shard over")
 
-    ddp_config = DistributedDataParallelConfig(
-        data_parallel_sharding_strategy=strategy.label,
-        outer_dp_sharding_strategy=outer.label,
-        overlap_grad_reduce=overlap_grad_reduce,
-        overlap_param_gather=overlap_param_gather,
-        average_in_collective=average_in_collective,
-        check_for_nan_in_grad=check_for_nan_in_grad,
-        keep_fp8_transpose_cache=keep_fp8_transpose_cache,
-        nccl_ub=nccl_ub,
-        fsdp_double_buffer=fsdp_double_buffer or nccl_ub,
-        fsdp_db_use_persist_buf_on_alloc_fail=fsdp_db_use_persist_buf_on_alloc_fail,
-        disable_symmetric_registration=disable_symmetric_registration,
-        megatron_fsdp_use_decoupled_grad=use_decoupled_grad,
-        megatron_fsdp_cuda_graph_mode=cuda_graph_mode,
-        megatron_fsdp_max_pool_double_buffer=maxpool_double_buffer,
-        suggested_communication_unit_size=suggested_communication_unit_size,
-        megatron_fsdp_main_params_dtype=mixed_precision_policy.main_params_dtype,
-        megatron_fsdp_main_grads_dtype=mixed_precision_policy.main_grads_dtype,
-        megatron_fsdp_grad_comm_dtype=mixed_precision_policy.grad_comm_dtype,
-        collective_timeout_s=collective_timeout_s,
-    )
+    ddp_config = _ddp_config(strategy, outer, locals())
     dist_index = FSDPDistributedIndex(
         device_mesh,
         dp_shard_dim=dp_shard_dim,
@@ -125,6 +105,35 @@ def fully_shard_model(
     )
     model.preproc_state_dict_for_dcp_ckpt = preproc_state_dict_for_dcp_ckpt
     return model
+
+
+def _ddp_config(
+    strategy: ShardingStrategy, outer: ShardingStrategy, args: dict[str, Any]
+) -> DistributedDataParallelConfig:
+    """The config of ``fully_shard_model``'s keyword arguments (``args``: its locals),
+    under the config's own (upstream's) field names."""
+    policy = args["mixed_precision_policy"]
+    return DistributedDataParallelConfig(
+        data_parallel_sharding_strategy=strategy.label,
+        outer_dp_sharding_strategy=outer.label,
+        overlap_grad_reduce=args["overlap_grad_reduce"],
+        overlap_param_gather=args["overlap_param_gather"],
+        average_in_collective=args["average_in_collective"],
+        check_for_nan_in_grad=args["check_for_nan_in_grad"],
+        keep_fp8_transpose_cache=args["keep_fp8_transpose_cache"],
+        nccl_ub=args["nccl_ub"],
+        fsdp_double_buffer=args["fsdp_double_buffer"] or args["nccl_ub"],
+        fsdp_db_use_persist_buf_on_alloc_fail=args["fsdp_db_use_persist_buf_on_alloc_fail"],
+        disable_symmetric_registration=args["disable_symmetric_registration"],
+        megatron_fsdp_use_decoupled_grad=args["use_decoupled_grad"],
+        megatron_fsdp_cuda_graph_mode=args["cuda_graph_mode"],
+        megatron_fsdp_max_pool_double_buffer=args["maxpool_double_buffer"],
+        suggested_communication_unit_size=args["suggested_communication_unit_size"],
+        megatron_fsdp_main_params_dtype=policy.main_params_dtype,
+        megatron_fsdp_main_grads_dtype=policy.main_grads_dtype,
+        megatron_fsdp_grad_comm_dtype=policy.grad_comm_dtype,
+        collective_timeout_s=args["collective_timeout_s"],
+    )
 
 
 _UNIMPLEMENTED_MODEL_OPTIONS = {

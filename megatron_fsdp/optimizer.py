@@ -155,16 +155,19 @@ def check_step_inputs(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dic
       loaded before (a resume) is loaded again through the binding.
     * One optimizer over megatron_fsdp parameters and others: refused (the binding
       needs every parameter owned by a wrapped model)."""
+    bound = getattr(optimizer, "megatron_fsdp_binding", None) is not None
     owned, foreign = False, None
     for group in optimizer.param_groups:
         for param in group["params"]:
             if compute_owner_of(param) is not None:
                 raise ValueError(_foreign_param_message(param))
+            if bound:  # bound: every parameter was checked at binding; only the above per step
+                continue
             if owner_of(param) is not None:
                 owned = True
             elif foreign is None:
                 foreign = param
-    if not owned or getattr(optimizer, "megatron_fsdp_binding", None) is not None:
+    if bound or not owned:
         return
     if foreign is not None:
         raise ValueError(

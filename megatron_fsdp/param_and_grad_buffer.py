@@ -40,7 +40,7 @@ from .marks import is_expert_param, is_fsdp_no_shard, restore_marks
 from .mixed_precision import MixedPrecisionPolicy
 from .piece_dtensor import piece_dtensor
 from .units import plan_merge
-from .unsynced_grad import UnsyncedGrad, unsynced_grad
+from .unsynced_grad import unsynced_grad
 from .utils import make_fsdp_dtensor  # noqa: F401  upstream's home of it: Megatron-LM imports it from here
 
 logger = logging.getLogger(__name__)
@@ -202,7 +202,7 @@ class ParamAndGradBuffer:
         self._copies_to_write_back = False
         """Attached gradients include dtype-cast copies not yet written back ([Note: gradient copies])."""
         self._deferred: dict[nn.Parameter, tuple[torch.Tensor, bool]] = {}
-        """Distributed parameter -> (its UnsyncedGrad, whether its attached gradient was
+        """Distributed parameter -> (its placeholder .grad, whether its attached gradient was
         present before) ([Note: deferred gradient sync] in unsynced_grad.py)."""
 
     # -- construction ----------------------------------------------------------

@@ -183,23 +183,26 @@ def _record_ranges(events: list):
     return lambda: setattr(runtime, "_range_push", saved[0]) or setattr(runtime, "_range_pop", saved[1])
 
 
+def _shard_layers(model: nn.Module, mesh, *, root: bool) -> nn.Module:
+    """ZeRO-3 on each of ``model.layers`` (and on ``model`` itself when ``root``), in one context."""
+    with fully_shard_context():
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh, placements=ZERO3)
+        if root:
+            fully_shard(model, mesh=mesh, placements=ZERO3)
+    return model
+
+
 def annotation_worker(rank, world, *, case):
     mesh = _mesh(world)
     events: list = []
     restore = _record_ranges(events)
     try:
         if case == "nested":
-            model = BiasThenLayers()
-            with fully_shard_context():
-                for layer in model.layers:
-                    fully_shard(layer, mesh=mesh, placements=ZERO3)
-                fully_shard(model, mesh=mesh, placements=ZERO3)
+            model = _shard_layers(BiasThenLayers(), mesh, root=True)
             model(torch.ones(2, 4)).sum().backward()
         elif case == "sibling_roots":
-            model = BiasThenLayers()
-            with fully_shard_context():
-                for layer in model.layers:
-                    fully_shard(layer, mesh=mesh, placements=ZERO3)
+            model = _shard_layers(BiasThenLayers(), mesh, root=False)
             model(torch.ones(2, 4)).sum().backward()
         elif case == "frozen":
             model = nn.Linear(4, 4, bias=False).requires_grad_(False)
@@ -209,10 +212,7 @@ def annotation_worker(rank, world, *, case):
         elif case == "frozen_child_without_grad":
             model = LayersThenBias()
             model.layers[0].requires_grad_(False)
-            with fully_shard_context():
-                for layer in model.layers:
-                    fully_shard(layer, mesh=mesh, placements=ZERO3)
-                fully_shard(model, mesh=mesh, placements=ZERO3)
+            model = _shard_layers(model, mesh, root=True)
             model(torch.ones(2, 4)).sum().backward()
         elif case == "tied_two_steps":
             model = TiedLM()
