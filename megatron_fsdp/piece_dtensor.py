@@ -10,7 +10,7 @@ data: ``full_tensor()`` returned a (15,) tensor for a (7, 15) weight, ``mean()``
 averaged uneven local means, a view reinterpreted the piece. So around each op:
 
 * allowed as DTensor computes them (exact on any split): pointwise ops, the
-  ``_foreach`` ops, copies and casts, ``*_like`` creation, full ``sum`` and norms;
+  ``_foreach`` ops (GradScaler's unscale included), copies and casts, ``*_like`` creation, full ``sum`` and norms;
   outputs shaped and placed like a piece input stay ``PieceDTensor``s (so clones
   and optimizer states keep these rules);
 * ``mean()`` of the whole tensor is computed as sum / count (exact);
@@ -69,7 +69,12 @@ _KINDS: dict = {}
 
 
 def _classify(func) -> _Kind:
-    if func._schema.name.startswith("aten::_foreach"):
+    # ``_amp_foreach_non_finite_check_and_unscale_`` (GradScaler.unscale_) is
+    # elementwise plus a max over every element: DTensor runs it on the local pieces
+    # and reduces ``found_inf`` over the mesh (a collective every rank joins, as
+    # unscale_ runs on every rank), so a non-finite value on one rank skips the
+    # step on all of them.
+    if func._schema.name.startswith(("aten::_foreach", "aten::_amp_foreach")):
         return _Kind.FOREACH
     if func in _ALLOWED or torch.Tag.pointwise in func.tags:
         return _Kind.ALLOWED
