@@ -60,6 +60,22 @@ def guard_hooks_under_compile() -> None:
         config.skip_nnmodule_hook_guards = False
 
 
+def _revisit_message(unit: "FSDPUnit") -> str:
+    """[Note: one backward per unit] Under ZeRO-3 a unit's weights are released, and its
+    gradients reduced, once the backward walk has passed it. Reaching its backward again
+    in the same pass would run on released storage; re-gathering it would issue
+    collectives the other ranks may not issue (the walk keeps them in step), so refuse."""
+    return (
+        f"megatron_fsdp: the backward reached FSDP unit '{unit.name}' again after its weights were "
+        "released (ZeRO-3, optim_grads_params): its forward ran more than once for this backward "
+        "(e.g. loss = f(model(a)) + f(model(b))), or this rank's backward ran its units in another "
+        "order than the forward. Each unit's backward may run once per backward pass. Fix: one "
+        "forward per backward (model(torch.cat([a, b]))), or a backward per forward (gradients "
+        "accumulate: loss_a.backward(); loss_b.backward()), or zero_dp_strategy='optim_grads' "
+        "(ZeRO-2 keeps the weights gathered). No weight has changed."
+    )
+
+
 @dataclasses.dataclass(eq=False)
 class FSDPUnit:
     index: int
@@ -127,6 +143,8 @@ class HookRuntime:
         # reductions wait for the walk to move past their unit.
         self.reduce_at_boundaries = any(g.strategy.shards_params and g.model_weights.is_distributed for g in buffer.groups)
         self._backward_queued = False
+        self._released_in_backward: set[FSDPUnit] = set()
+        """Units whose gathered weights this backward pass released (walk passed them)."""
         self._handles: list[Any] = []
 
     # -- registration -------------------------------------------------------------
@@ -207,6 +225,7 @@ class HookRuntime:
             self.all_gather.unshard_and_wait(self.root_groups)
             self._backward_walk = self.schedule.backward_walk()
             self._unrequested = []
+            self._released_in_backward = set()
             self.on_backward_start()
 
     # -- units --------------------------------------------------------------------
@@ -284,7 +303,9 @@ class HookRuntime:
     def pre_backward(self, unit: FSDPUnit) -> None:
         self._root_pre_backward(None)
         if unit.state is TrainingState.PRE_BACKWARD:
-            return
+            if unit in self._released_in_backward:
+                raise RuntimeError(_revisit_message(unit))
+            return  # another output of a unit in backward, or a merged unit's next module
         for skipped in self._backward_walk.catch_up(unit):
             self._visit_backward(skipped)
             self.all_gather.reshard([g for g in skipped.groups if g.requires_grad])  # no gradient will come
@@ -316,6 +337,8 @@ class HookRuntime:
                 for group in trainable:
                     self.grad_reduce.reduce(group, sync=sync)
             self.all_gather.reshard(trainable)
+            if any(g.model_weights.is_distributed for g in trainable):
+                self._released_in_backward.add(passed)
         self._unrequested = still_open
 
     def _prefetch(self, unit: FSDPUnit, *, step: int) -> None:

@@ -143,6 +143,17 @@ def freeze_before_wrapping(module):
         p.requires_grad_(False)
 
 
+def loop_two_forwards(model, opt, step, x, y, ctx):
+    """Two forwards, one backward (a two-view loss: f(model(a)) + f(model(b)))."""
+    opt.zero_grad()
+    total = 0.0
+    for _, xr, yr in ctx.shares(x, y):
+        (xa, xb), (ya, yb) = xr.chunk(2), yr.chunk(2)
+        total = total + (loss_fn("net", model(xa), ya) + loss_fn("net", model(xb), yb)) / 2
+    (total / len(ctx.ranks())).backward()
+    opt.step()
+
+
 LOOPS = {
     "plain": loop_plain,
     "skip_some_steps": loop_skip_some_steps,
@@ -153,6 +164,7 @@ LOOPS = {
     "closure": loop_closure,
     "inplace_edit": loop_inplace_edit,
     "freeze_toggle": loop_freeze_toggle,
+    "two_forwards": loop_two_forwards,
 }
 
 
@@ -219,6 +231,38 @@ def test_training_patterns(pool2, strategy, loop):
     in-place edits of model.parameters() after a step."""
     for diff, _, _ in pool2.run(pattern_worker, strategy=strategy, loop=loop):
         assert diff < TOL, diff
+
+
+def two_forwards_zero3_worker(rank, world):
+    torch.manual_seed(0)
+    model, opt = mf.fully_shard(SkipNet(), lambda params: _optimizer("adamw", params), fsdp_unit_modules=[Block],
+                                zero_dp_strategy="optim_grads_params")
+    with torch.no_grad():
+        before = [p.to_local().clone() for p in model.parameters()]
+    x, y = make_batches("net", 1, batch=4 * world)[0]
+    try:
+        loop_two_forwards(model, opt, 0, x, y, Ctx(rank, world, reference=False))
+    except RuntimeError as exc:
+        message = str(exc)
+    else:
+        message = "no error"
+    with torch.no_grad():
+        unchanged = all(torch.equal(b, p.to_local()) for b, p in zip(before, model.parameters()))
+    return message, unchanged
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_two_forwards_one_backward(pool2, strategy):
+    """ZeRO-0..2 equal one process (a parameter's gradient arrives once, summed over
+    both forwards). ZeRO-3 refuses with the remedy before any weight changes: it
+    released each unit when the backward walk passed it ([Note: one backward per unit]);
+    it used to fail inside autograd on released storage."""
+    if strategy != "optim_grads_params":
+        for diff, _, _ in pool2.run(pattern_worker, strategy=strategy, loop="two_forwards"):
+            assert diff < TOL, diff
+        return
+    for message, unchanged in pool2.run(two_forwards_zero3_worker):
+        assert "forward ran more than once" in message and "torch.cat" in message and unchanged, message
 
 
 @pytest.mark.parametrize("strategy", ["optim", "optim_grads"])
