@@ -25,6 +25,16 @@ recomputation (hooks.py [Note: activation recomputation]): a checkpointed region
 re-runs its forward inside backward and must read compute weights, whether or
 not it is a unit.
 
+[Note: gradient hooks on distributed parameters] DDP's habit
+``for p in model.parameters(): p.register_hook(clip_or_mask)`` registers on the
+distributed parameters, which autograd never reaches: the hooks would silently never
+run. So each distributed parameter shares its compute twin's tensor-hook dictionary
+(``_backward_hooks``): a hook registered on either runs on the compute parameter's
+incoming gradient, this rank's local one before any reduction, as under DDP (and
+``handle.remove()`` works on both). ``register_post_accumulate_grad_hook`` on a
+distributed parameter cannot mean what it means under DDP (the engine takes the
+accumulated gradient into its buffers first), so the next forward refuses it.
+
 Tied weights (one parameter registered on two modules) stay tied: every
 registration of a compute parameter gets the same distributed twin. The cost is
 one dictionary store per registration per swap, what FSDP2's
@@ -33,6 +43,7 @@ one dictionary store per registration per swap, what FSDP2's
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import torch
@@ -56,6 +67,25 @@ def _set_param(module: nn.Module, name: str, param: nn.Parameter) -> None:
         setattr(module, name, param)
 
 
+def share_grad_hooks(compute: nn.Parameter, dist: nn.Parameter) -> None:
+    """[Note: gradient hooks on distributed parameters] One hook dictionary for both
+    (the compute parameter's, holding any hook the user registered before wrapping).
+    The experimental engine shares its sharded and unsharded parameters' the same way."""
+    hooks = compute._backward_hooks
+    if hooks is None:
+        hooks = compute._backward_hooks = collections.OrderedDict()
+    dist._backward_hooks = hooks
+
+
+_POST_ACCUMULATE_MESSAGE = (
+    "megatron_fsdp: a post-accumulate-grad hook is registered on the distributed parameter {name} "
+    "(model.parameters()): autograd never accumulates into it, and the engine takes each accumulated "
+    "gradient of its compute twin into its buffers first, so the hook would never run. Register a "
+    "tensor hook instead (p.register_hook: it runs on this rank's local gradient, as under DDP), or "
+    "act after the gradient sync (after backward, or before optimizer.step())"
+)
+
+
 class RegisteredParams:
     """Swaps every registration of a wrapped module's parameters between the compute
     parameter and its distributed twin."""
@@ -72,6 +102,8 @@ class RegisteredParams:
                 if dist is None:
                     raise AssertionError(f"parameter {name!r} of {type(sub).__name__} has no distributed twin")
                 self._registrations.append(_Registration(sub, name, param, dist))
+        for r in self._registrations:
+            share_grad_hooks(r.compute, r.dist)
         self.compute_registered = True
         """Whether the compute parameters are the registered ones (as at wrapping)."""
 
@@ -80,6 +112,8 @@ class RegisteredParams:
         if self.compute_registered:
             return
         for r in self._registrations:
+            if r.dist._post_accumulate_grad_hooks is not None:
+                raise RuntimeError(_POST_ACCUMULATE_MESSAGE.format(name=f"{type(r.module).__name__}.{r.name}"))
             _set_param(r.module, r.name, r.compute)
         self.compute_registered = True
 

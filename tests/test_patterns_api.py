@@ -8,11 +8,10 @@ import io
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 import megatron_fsdp as mf
-from models import Block, Net, loss_fn, make_batches, make_model
+from models import Block, loss_fn, make_batches, make_model
 from test_patterns import STRATEGIES, TOL, Ctx, SkipNet, _optimizer, loop_plain
 
 torch_ddp = nn.parallel.DistributedDataParallel

@@ -31,6 +31,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..allocator import StorageResizeAllocator
 from ..mixed_precision import MixedPrecisionPolicy
+from ..param_swap import share_grad_hooks
 from .dbuffer import DBuffer
 from .placement import changed_mesh_axis
 
@@ -137,6 +138,7 @@ class FsdpParameterGroup:
                 torch.utils.swap_tensors(parameter, nn.Parameter(view, requires_grad=parameter.requires_grad))
             parameter.grad = None
             sharded = nn.Parameter(self.main_weight.get_dtensor(index), requires_grad=parameter.requires_grad)
+            share_grad_hooks(parameter, sharded)  # sharded.register_hook runs on the local gradient
             if grad_dtype is not None:
                 # The optimizer sees main-dtype weights with main-grad-dtype gradients.
                 sharded.grad_dtype = grad_dtype
@@ -310,6 +312,12 @@ class FsdpParameterGroup:
             self.main_grad = self.main_grad.redistribute(self.main_weight.placements)
         for index, p in enumerate(self.fsdp_parameters):
             p.sharded.grad = self.main_grad.get_dtensor(index)
+        if is_last_microbatch:
+            for p in self.fsdp_parameters:
+                # As FSDP2: a post-accumulate-grad hook on a sharded parameter runs once its
+                # reduced gradient is bound (e.g. an optimizer step inside backward).
+                for hook in (p.sharded._post_accumulate_grad_hooks or {}).values():
+                    hook(p.sharded)
 
 
 @dataclasses.dataclass(eq=False)
