@@ -19,6 +19,8 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 
+from . import device
+
 logger = logging.getLogger(__name__)
 
 INSTALL_HINT = "install it with `bash scripts/setup_megatron_core.sh` (pip install --no-deps megatron-core==0.16.1)"
@@ -103,7 +105,7 @@ def _seed_cuda_rng_tracker(seed: int) -> None:
 
     if tensor_parallel.get_cuda_rng_tracker().is_initialized():
         return
-    if torch.cuda.is_available():
+    if device.cuda_available():
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
         return
     logger.warning(
@@ -162,7 +164,7 @@ def transformer_config_from_args(args: Any):
         params_dtype=dtype,
         bf16=dtype is torch.bfloat16,
         fp16=dtype is torch.float16,
-        use_cpu_initialization=_arg(args, "use_cpu_initialization", not torch.cuda.is_available()),
+        use_cpu_initialization=_arg(args, "use_cpu_initialization", not device.cuda_available()),
         calculate_per_token_loss=bool(getattr(args, "calculate_per_token_loss", False)),
         # Fused kernels come from TransformerEngine/apex/CUDA; the local spec runs without them.
         masked_softmax_fusion=False,

@@ -314,3 +314,22 @@ def test_cuda_needs_a_torch_whose_nccl_work_holds_its_tensors():
         streams.check_torch_for_device(torch.device("cuda", 0), version=(2, 7))
     streams.check_torch_for_device(torch.device("cuda", 0), version=(2, 8))
     streams.check_torch_for_device(torch.device("cpu"), version=(2, 1))
+
+
+def test_only_the_device_and_streams_modules_call_torch_cuda():
+    """STYLE 11: one small device module (device.py, with streams.py) talks to
+    torch.cuda, so CPU/gloo and CUDA/NCCL share every other code path."""
+    import ast
+    import pathlib
+
+    package = pathlib.Path(mf.__file__).parent
+    allowed = {package / "device.py", package / "streams.py"}
+    offenders = []
+    for path in sorted(package.rglob("*.py")):
+        if path in allowed:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and node.attr == "cuda" and isinstance(node.value, ast.Name)
+                    and node.value.id == "torch"):
+                offenders.append(f"{path.relative_to(package)}:{node.lineno}")
+    assert not offenders, offenders

@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .. import device
 from .config import GPTConfig, PositionEmbeddingType, RecomputeGranularity
 
 
@@ -99,7 +100,7 @@ def build_mcore_gpt(cfg: GPTConfig, *, seed: int = 1234, params_dtype: torch.dty
     if reasons:
         raise ValueError("megatron-core's local GPTModel cannot represent this config: " + "; ".join(reasons)
                          + ". Train the embedded GPT (drop --use-mcore-models) or change those settings")
-    if not torch.cuda.is_available() and not allow_cpu:
+    if not device.cuda_available() and not allow_cpu:
         raise RuntimeError(
             "megatron-core's GPTModel needs CUDA to run: its attention allocates buffers on "
             "torch.cuda.current_device() and forks the CUDA RNG tracker on every forward, and this torch has no "
@@ -112,7 +113,7 @@ def build_mcore_gpt(cfg: GPTConfig, *, seed: int = 1234, params_dtype: torch.dty
     ensure_model_parallel_initialized()
     args = mcore_args(cfg, seed=seed, params_dtype=params_dtype)
     config = _transformer_config(cfg, args)
-    if torch.cuda.is_available() and not tensor_parallel.get_cuda_rng_tracker().is_initialized():
+    if device.cuda_available() and not tensor_parallel.get_cuda_rng_tracker().is_initialized():
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
     spec = get_gpt_layer_local_spec(num_experts=cfg.num_moe_experts, qk_layernorm=cfg.qk_layernorm,
                                     normalization=cfg.normalization.value)
