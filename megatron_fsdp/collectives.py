@@ -209,8 +209,13 @@ def all_gather(
         if p2p_transport.applies(group, output):
             launch = lambda: p2p_transport.all_gather(output, shard, group)  # noqa: E731
         else:
-            if _aliases(shard, output):
-                shard = shard.clone()  # NCCL/gloo collectives need a distinct input
+            if _aliases(shard, output) and not (
+                output.is_cuda and is_own_slice(shard, output, dist.get_rank(group), dist.get_world_size(group))
+            ):
+                # gloo needs a distinct input; NCCL gathers in place when the input is
+                # exactly this rank's slice of the output (sendbuff == recvbuff + rank *
+                # count, as FSDP2's copy-in relies on), which saves the copy there.
+                shard = shard.clone()
             launch = lambda: _all_gather_flat(output, shard, group=group, async_op=True)  # noqa: E731
         return _issue("all_gather", label, group, launch, async_op, (output, shard), timeout)
 
@@ -234,6 +239,18 @@ def reduce_scatter(
         else:
             launch = lambda: _reduce_scatter_flat(output, full, op=op, group=group, async_op=True)  # noqa: E731
         return _issue("reduce_scatter", label, group, launch, async_op, (full, output), timeout)
+
+
+def is_own_slice(shard: torch.Tensor, output: torch.Tensor, rank: int, world: int) -> bool:
+    """``shard`` is exactly the ``rank``-th of ``world`` equal slices of flat ``output``."""
+    n = shard.numel()
+    return (
+        shard.dtype == output.dtype
+        and shard.is_contiguous()
+        and output.is_contiguous()
+        and output.numel() == n * world
+        and shard.data_ptr() == output.data_ptr() + rank * n * output.element_size()
+    )
 
 
 def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:

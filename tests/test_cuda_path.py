@@ -333,3 +333,15 @@ def test_only_the_device_and_streams_modules_call_torch_cuda():
                     and node.value.id == "torch"):
                 offenders.append(f"{path.relative_to(package)}:{node.lineno}")
     assert not offenders, offenders
+
+
+def test_in_place_all_gather_input_is_exactly_the_own_slice():
+    """NCCL gathers in place (no clone of the ZeRO-1/2 shard) only when the input is
+    this rank's slice of the output; any other alias is cloned first."""
+    out = torch.arange(12.0)
+    assert collectives.is_own_slice(out[8:12], out, rank=2, world=3)
+    assert collectives.is_own_slice(out, out, rank=0, world=1)  # world 1: input is output
+    assert not collectives.is_own_slice(out[4:8], out, rank=2, world=3)  # another rank's slice
+    assert not collectives.is_own_slice(out[8:11], out, rank=2, world=3)  # not an equal split
+    assert not collectives.is_own_slice(out.view(4, 3)[:, 0], out, rank=0, world=3)  # strided
+    assert not collectives.is_own_slice(out[8:12].to(torch.float64), out, rank=2, world=3)
