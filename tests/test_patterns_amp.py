@@ -9,12 +9,11 @@ import copy
 
 import pytest
 import torch
-import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 import megatron_fsdp as mf
 from megatron_fsdp import experimental
-from models import IN, OUT, Block, loss_fn, make_batches
+from models import Block, Net, loss_fn, make_batches
 from test_experimental import make_mesh, placements_for, shard_net
 from test_patterns import STRATEGIES, TOL, Ctx
 
@@ -24,12 +23,11 @@ OVERFLOW_STEP = 1
 """The step whose scaled gradient of one element overflows to inf."""
 
 
-class RecomputeNet(nn.Module):
-    def __init__(self, d: int = 7, depth: int = 3, reentrant: bool = False) -> None:
+class RecomputeNet(Net):
+    """Net with reentrant recompute of each block when asked, and a tap for the overflow."""
+
+    def __init__(self, reentrant: bool = False) -> None:
         super().__init__()
-        self.inp = nn.Linear(IN, d)
-        self.blocks = nn.ModuleList(Block(d) for _ in range(depth))
-        self.out = nn.Linear(d, OUT)
         self.reentrant = reentrant
 
     def forward(self, x: torch.Tensor, tap: bool = False):
