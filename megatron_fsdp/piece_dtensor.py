@@ -68,13 +68,18 @@ _KINDS: dict = {}
 """op -> _Kind, decided once per op (the hot path of every optimizer step)."""
 
 
+def is_foreach(func) -> bool:
+    """A per-tensor op over lists of tensors: the ``_foreach`` ops, and GradScaler.unscale_'s
+    ``_amp_foreach_non_finite_check_and_unscale_``, which is elementwise plus a max over
+    every element: DTensor runs it on the local pieces and reduces ``found_inf`` over
+    the mesh (a collective every rank joins, as unscale_ runs on every rank), so a
+    non-finite value on one rank skips the step on all of them. Shared with the
+    experimental engine's FlatDTensor."""
+    return func._schema.name.startswith(("aten::_foreach", "aten::_amp_foreach"))
+
+
 def _classify(func) -> _Kind:
-    # ``_amp_foreach_non_finite_check_and_unscale_`` (GradScaler.unscale_) is
-    # elementwise plus a max over every element: DTensor runs it on the local pieces
-    # and reduces ``found_inf`` over the mesh (a collective every rank joins, as
-    # unscale_ runs on every rank), so a non-finite value on one rank skips the
-    # step on all of them.
-    if func._schema.name.startswith(("aten::_foreach", "aten::_amp_foreach")):
+    if is_foreach(func):
         return _Kind.FOREACH
     if func in _ALLOWED or torch.Tag.pointwise in func.tags:
         return _Kind.ALLOWED
@@ -161,7 +166,7 @@ def _any_sharded(args, kwargs) -> bool:
 def _rewrap_outputs(out, func, args, kwargs):
     if out is None or (isinstance(out, (list, tuple)) and not out):
         return out  # in-place _foreach ops
-    if func._schema.name.startswith("aten::_foreach") and isinstance(out, (list, tuple)) and args \
+    if is_foreach(func) and isinstance(out, (list, tuple)) and args \
             and isinstance(args[0], (list, tuple)):
         # The i-th output comes from the i-th tensor of the first list.
         return type(out)(_rewrap_like(o, a) for o, a in zip(out, args[0]))

@@ -42,6 +42,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.placement_types import Placement
 from torch.utils._pytree import tree_flatten, tree_map
 
+from ..piece_dtensor import is_foreach
 from .placement import Flat
 
 __all__ = ["FlatDTensor", "FlatSpec", "flat_dtensor"]
@@ -93,7 +94,7 @@ class FlatDTensor(DTensor):
             in_place = first is not None and first.alias_info is not None and first.alias_info.is_write
             if in_place and args and isinstance(args[0], FlatDTensor) and isinstance(out, DTensor):
                 return args[0]  # an in-place op returns its input (an out= op its out)
-        if _is_foreach(func) and isinstance(out, (list, tuple)):
+        if is_foreach(func) and isinstance(out, (list, tuple)):
             # The i-th output comes from the i-th tensor of each input list.
             groups = _paired_tensors(func, args, kwargs)
             return type(out)(_relabel(o, _flat_axes(g), func) for o, g in zip(out, groups))
@@ -192,18 +193,11 @@ def _row_split(t: DTensor, axis: int):
     return None
 
 
-def _is_foreach(func) -> bool:
-    """A per-tensor op over lists: the ``_foreach`` ops and GradScaler's
-    ``_amp_foreach_non_finite_check_and_unscale_`` (whose ``found_inf`` DTensor
-    reduces over the mesh)."""
-    return func._schema.name.startswith(("aten::_foreach", "aten::_amp_foreach"))
-
-
 def _paired_tensors(func, args, kwargs) -> list[list[DTensor]]:
     """The DTensors an op combines element by element: all of them, or for a
     ``_foreach`` op the i-th of each list (with any single tensor argument)."""
     values = [*args, *kwargs.values()]
-    if not _is_foreach(func):
+    if not is_foreach(func):
         return [[t for t in tree_flatten(values)[0] if isinstance(t, DTensor)]]
     lists = [v for v in values if isinstance(v, (list, tuple))]
     singles = [v for v in values if isinstance(v, DTensor)]
