@@ -14,6 +14,10 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def cuda_device_count() -> int:
+    return torch.cuda.device_count() if cuda_available() else 0
+
+
 def default_device(group: dist.ProcessGroup | None = None) -> torch.device:
     """``device=None`` resolves here: the current CUDA device when CUDA is available
     and the process group runs on NCCL, else the CPU."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import weakref
 from typing import Any, Callable, Optional
 
 import torch
@@ -181,8 +182,15 @@ class HookRuntime:
         return hook
 
     def _make_grad_hook(self, group: ParameterGroup, index: int):
+        # Weak references: the hook lives on the parameter, and the cycle collector does
+        # not follow a parameter's hooks, so a hook holding the runtime (which holds the
+        # module and its parameters) would keep the whole model alive after ``del``.
+        runtime, group_ref = weakref.ref(self), weakref.ref(group)
+
         def hook(param: torch.Tensor) -> None:
-            self.on_grad(group, index, param)
+            alive = runtime()
+            if alive is not None:
+                alive.on_grad(group_ref(), index, param)
 
         return hook
 

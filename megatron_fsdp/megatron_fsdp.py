@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import weakref
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
@@ -31,12 +32,44 @@ from .units import NO_SHARD_UNIT_SIZE, UnitSpec, merge_units, slot_plan, split_i
 
 logger = logging.getLogger(__name__)
 
+class _OwnerMap:
+    """Object -> the MegatronFSDP it belongs to, holding neither strongly: a wrapper
+    holds its module and parameters, so a strong value would keep its own key, and
+    with it the whole model and its buffers, alive for the life of the process."""
+
+    def __init__(self) -> None:
+        self._refs = WeakIdKeyDictionary()
+
+    def __setitem__(self, key: Any, owner: "MegatronFSDP") -> None:
+        self._refs[key] = weakref.ref(owner)
+
+    def get(self, key: Any) -> Optional["MegatronFSDP"]:
+        ref = self._refs.get(key)
+        return None if ref is None else ref()
+
+    def __contains__(self, key: Any) -> bool:
+        return self.get(key) is not None
+
+    def pop(self, key: Any) -> None:
+        self._refs.pop(key, None)
+
+
 # Distributed parameter -> the MegatronFSDP that owns it (fully_shard_optimizer's lookup).
-_OWNERS = WeakIdKeyDictionary()
+_OWNERS = _OwnerMap()
 # Wrapped module -> its MegatronFSDP (wrapping twice is an error).
-_WRAPPED = WeakIdKeyDictionary()
+_WRAPPED = _OwnerMap()
 # Compute parameter (the wrapped module's own) -> its MegatronFSDP (misuse checks).
-_COMPUTE_OWNERS = WeakIdKeyDictionary()
+_COMPUTE_OWNERS = _OwnerMap()
+
+
+_SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits_differ(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """0-dim: some element of ``a`` and ``b`` (same dtype) differs bit for bit. A value
+    compare would call a NaN weight edited at every step (NaN != NaN) and re-gather it."""
+    width = _SAME_WIDTH_INT[a.element_size()]
+    return (a.view(width) != b.view(width)).any()
 
 
 def owner_of(param: torch.Tensor) -> Optional["MegatronFSDP"]:
@@ -532,23 +565,38 @@ class MegatronFSDP(nn.Module):
         if kind == "piece":
             numel = main.data.numel()
             mine = model.data[group.dp.outer_rank * numel : (group.dp.outer_rank + 1) * numel]
-            return (mine != main.data.to(mine.dtype)).any()
+            return _bits_differ(mine, main.data.to(mine.dtype))
         if kind == "main":
             mine, source = (model.shard, main.shard) if group.strategy.shards_optimizer else (model.data, main.data)
-            return (mine != source.to(mine.dtype)).any()
-        return (model.shard != self._shard_snapshots[group]).any()
+            return _bits_differ(mine, source.to(mine.dtype))
+        return _bits_differ(model.shard, self._shard_snapshots[group])
 
     @torch.no_grad()
     def _refresh_edited_weights(self) -> None:
         """In-place edits of ``model.parameters()`` after a step (weight clipping, an EMA
-        copied back, a re-initialisation) reach the compute weights. Checked at the
-        first forward after each step (a compare with what was installed); ZeRO-1/2
-        agree over the group on which groups changed (a clamp may change nothing on
-        one rank's shard) before re-gathering them."""
+        copied back, a re-initialisation) reach the compute weights, at the first
+        forward after each step. Compute weights cast locally from main weights
+        (ZeRO-0 and ZeRO-3) are cast again. The others are compared with what was
+        installed, one host read of the flags per step: ZeRO-1/2 agree over the group
+        on which groups changed (a clamp may change nothing on one rank's shard)
+        before re-gathering them."""
         if not self._check_edits:
             return
         self._check_edits = False
         groups = [g for g in self.param_and_grad_buffer.groups if self._edit_kind(g) is not None]
+        recast = [g for g in groups if self._edit_kind(g) == "main"
+                  and g.strategy in (ShardingStrategy.NO_SHARD, ShardingStrategy.OPTIM_GRADS_PARAMS)]
+        if recast:
+            # Compute weights that are this rank's own cast of its main weights (no
+            # gather follows): casting again equals "compare, copy where edited", costs
+            # less than the compare, and needs no host read of a flag.
+            self.all_gather_pipeline.wait(recast)
+            for group in recast:
+                if group.strategy.shards_optimizer:
+                    group.model_weights.shard.copy_(group.main_weights.shard)
+                else:
+                    group.model_weights.data.copy_(group.main_weights.data)
+            groups = [g for g in groups if g not in recast]
         if not groups:
             return
         flags = torch.stack([self._edited(g) for g in groups]).float()
@@ -714,11 +762,11 @@ class MegatronFSDP(nn.Module):
             for index, param in enumerate(group.params):
                 param.data = param.data.clone()
                 param.grad = None
-                _COMPUTE_OWNERS.pop(param, None)
+                _COMPUTE_OWNERS.pop(param)
             for dist_param in group.dist_params:
-                _OWNERS.pop(dist_param, None)
+                _OWNERS.pop(dist_param)
             self.all_gather_pipeline.reshard([group])
-        _WRAPPED.pop(self.module, None)
+        _WRAPPED.pop(self.module)
         return self.module
 
     @property

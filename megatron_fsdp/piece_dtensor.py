@@ -36,6 +36,8 @@ import enum
 import torch
 from torch.distributed.tensor import DTensor, Partial, Shard
 
+from . import dtensor_route
+
 __all__ = ["PieceDTensor", "piece_dtensor"]
 
 aten = torch.ops.aten
@@ -93,34 +95,40 @@ def _is_full_reduction(func, args, kwargs) -> bool:
     return dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0)
 
 
+def _guard(func, types, args, kwargs, base):
+    """The aten-level guard ([Note: flat pieces]); ``base`` computes an op as plain
+    DTensor does ([Note: DTensor subclass routes])."""
+    if not _any_sharded(args, kwargs):
+        # Only values reduced from pieces (a norm, a sum): DTensor is exact on
+        # them, but a Partial one read on the host is this rank's part alone.
+        if func is aten._local_scalar_dense.default and _partial(args[0]):
+            raise NotImplementedError(_PARTIAL_READ)
+        return _rewrap_outputs(base(func, types, args, kwargs), func, args, kwargs)
+    if func in _MEAN:
+        total = _guard(aten.sum.default, types, (args[0],), {"dtype": kwargs.get("dtype")}, base)
+        return _guard(aten.div.Scalar, types, (total, args[0].numel()), {}, base)
+    kind = _KINDS.get(func)
+    if kind is None:
+        kind = _KINDS[func] = _classify(func)
+    if kind is _Kind.REDUCTION and not _is_full_reduction(func, args, kwargs):
+        kind = _Kind.REFUSED
+    if kind is _Kind.REFUSED:
+        raise NotImplementedError(f"{func}: " + _REMEDY.format(what="it"))
+    out = base(func, types, args, kwargs)
+    if kind is _Kind.REDUCTION and type(out) is DTensor:
+        # Keep the guard on the reduced value: reading it (.item()) must not give
+        # this rank's partial sum silently.
+        return PieceDTensor(out._local_tensor, out._spec, requires_grad=out.requires_grad)
+    return _rewrap_outputs(out, func, args, kwargs)
+
+
 class PieceDTensor(DTensor):
     """A DTensor over a flat piece, or a value reduced from one ([Note: flat pieces])."""
 
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if not _any_sharded(args, kwargs):
-            # Only values reduced from pieces (a norm, a sum): DTensor is exact on
-            # them, but a Partial one read on the host is this rank's part alone.
-            if func is aten._local_scalar_dense.default and _partial(args[0]):
-                raise NotImplementedError(_PARTIAL_READ)
-            return _rewrap_outputs(super().__torch_dispatch__(func, types, args, kwargs), func, args, kwargs)
-        if func in _MEAN:
-            total = cls.__torch_dispatch__(aten.sum.default, types, (args[0],), {"dtype": kwargs.get("dtype")})
-            return total / args[0].numel()
-        kind = _KINDS.get(func)
-        if kind is None:
-            kind = _KINDS[func] = _classify(func)
-        if kind is _Kind.REDUCTION and not _is_full_reduction(func, args, kwargs):
-            kind = _Kind.REFUSED
-        if kind is _Kind.REFUSED:
-            raise NotImplementedError(f"{func}: " + _REMEDY.format(what="it"))
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        if kind is _Kind.REDUCTION and type(out) is DTensor:
-            # Keep the guard on the reduced value: reading it (.item()) must not give
-            # this rank's partial sum silently.
-            return PieceDTensor(out._local_tensor, out._spec, requires_grad=out.requires_grad)
-        return _rewrap_outputs(out, func, args, kwargs)
+    if dtensor_route.ROUTE is dtensor_route.DispatchRoute.TORCH_DISPATCH:
+        __torch_dispatch__ = dtensor_route.torch_dispatch_route(_guard)
+    else:
+        __torch_function__ = dtensor_route.torch_function_route(_guard)
 
     def redistribute(self, device_mesh=None, placements=None, *, async_op=False, **kwargs):  # type: ignore[override]
         if not _sharded(self):  # a reduced value: DTensor's redistribution is exact

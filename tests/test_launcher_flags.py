@@ -310,7 +310,7 @@ def test_llama_style_run_writes_tensorboard_events(tmp_path):
         --num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2
     """
     env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PATH": "/usr/bin:/bin",
-           "PYTHONPATH": str(REPO)}
+           "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}  # gloo on CPU, also on a GPU machine
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            str(SCRIPT), *shlex.split(cmd)], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=300)
@@ -435,11 +435,28 @@ def test_data_flags_are_validated_through_data_args_problems(monkeypatch):
         assert str(info.value).count(message) == 1, str(info.value)  # reported once, not by two checks
 
 
+@pytest.mark.parametrize("backend", [[], ["--distributed-backend", "nccl"]], ids=["default", "nccl"])
+def test_more_local_ranks_than_gpus_is_refused_up_front(monkeypatch, backend):
+    """Two processes on a one-GPU node (a real case: torchrun --nproc-per-node 2): the
+    second would fail inside CUDA with "invalid device ordinal"."""
+    from megatron_fsdp import device as device_mod
+
+    monkeypatch.setattr(device_mod, "cuda_available", lambda: True)
+    monkeypatch.setattr(device_mod, "cuda_device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(ArgumentError, match=re.escape("local rank 1 and 1 CUDA device(s) are visible: launch at most 1")):
+        _parse(backend)
+    assert _parse(["--distributed-backend", "gloo"]).distributed_backend == "gloo"
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert _parse(backend) is not None
+
+
 def test_mcore_models_refuse_what_the_local_spec_cannot_build(monkeypatch):
     from megatron_fsdp import device as device_mod
 
     pytest.importorskip("megatron.core")
     monkeypatch.setattr(device_mod, "cuda_available", lambda: True)
+    monkeypatch.setattr(device_mod, "cuda_device_count", lambda: 1)
     mcore = ["--use-mcore-models", "--distributed-backend", "nccl"]
     with pytest.raises(ArgumentError, match="--apply-layernorm-1p with --use-mcore-models"):
         _parse(mcore + ["--apply-layernorm-1p"])

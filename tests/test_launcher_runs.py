@@ -48,7 +48,8 @@ RECOMPUTE = {"uniform": " --recompute-granularity full --recompute-method unifor
 
 
 def torchrun(args: list[str], env_extra: dict | None = None, timeout: int = 240) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO))
+    # CPU/gloo also on a GPU machine: two ranks here compare with DDP on gloo.
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="")
     env.update(env_extra or {})
     env.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
     if "WANDB_MODE" not in (env_extra or {}):

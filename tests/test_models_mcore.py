@@ -137,7 +137,8 @@ def launcher_checkpoint_keys_worker(rank, world, *, flags, directory):
     from megatron_fsdp.training.model_setup import gpt_config_from_args, setup_model_and_optimizer
 
     # Validation refuses --use-mcore-models without CUDA; the shim provides what megatron-core needs.
-    with mock.patch.object(device_mod, "cuda_available", lambda: True):
+    with mock.patch.object(device_mod, "cuda_available", lambda: True), \
+            mock.patch.object(device_mod, "cuda_device_count", lambda: world):
         args = parse_args(f"{LAUNCHER_TINY} {flags} --distributed-backend nccl".split(), world_size=world)
     with _mcore_on_cpu(), mock.patch.object(mcore_models, "build_mcore_gpt",
                                             functools.partial(mcore_models.build_mcore_gpt, allow_cpu=True)):

@@ -271,6 +271,19 @@ def test_inplace_edit_world4(pool4, strategy):
         assert diff < TOL, diff
 
 
+def test_weight_edit_check_compares_bits():
+    """The in-place-edit check (megatron_fsdp.py) compares bits: a NaN weight left as
+    it was is not an edit (a value compare would re-gather it every step), and a
+    write of -0.0 over 0.0 is one."""
+    from megatron_fsdp.megatron_fsdp import _bits_differ
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        a = torch.tensor([1.0, float("nan"), 0.0], dtype=dtype)
+        assert not bool(_bits_differ(a, a.clone()))
+        assert bool(_bits_differ(a, torch.tensor([1.0, float("nan"), -0.0], dtype=dtype)))
+        assert bool(_bits_differ(a, torch.tensor([1.5, float("nan"), 0.0], dtype=dtype)))
+
+
 def test_unit_walk_visits_skipped_units_in_order():
     """[Note: one unit sequence on every rank], as pure bookkeeping."""
     from megatron_fsdp.unit_schedule import UnitWalk, merge_order

@@ -44,7 +44,8 @@ FSDP = ["--use-megatron-fsdp", "--use-distributed-optimizer", "--no-gradient-acc
 
 def _env() -> dict:
     # This checkout's package, whatever an editable install elsewhere points at.
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+    # CPU/gloo also on a GPU machine (CUDA_VISIBLE_DEVICES=""): the runs compare with DDP on gloo.
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="",
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     env.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
     return env

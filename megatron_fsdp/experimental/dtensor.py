@@ -42,6 +42,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.placement_types import Placement
 from torch.utils._pytree import tree_flatten, tree_map
 
+from .. import dtensor_route
 from ..piece_dtensor import is_foreach
 from .placement import Flat
 
@@ -76,29 +77,35 @@ def _flat_spec(spec: DTensorSpec, placements=None) -> DTensorSpec:
     return FlatSpec(spec.mesh, placements, tensor_meta=spec.tensor_meta)
 
 
+def _guard(func, types, args, kwargs, base):
+    """The aten-level guard (module docstring); ``base`` computes an op as plain
+    DTensor does ([Note: DTensor subclass routes] in ``dtensor_route.py``)."""
+    flats = _flat_axes((args, kwargs))
+    if func in _MEAN:
+        return _exact_mean(args, kwargs, types, base)
+    _refuse_before(func, args, flats)
+    _refuse_mismatched_rows(func, args, kwargs, flats)
+    out = base(func, types, args, kwargs)
+    if func._schema.is_mutable:
+        _bump_versions(func, args, kwargs)
+        first = func._schema.arguments[0] if func._schema.arguments else None
+        in_place = first is not None and first.alias_info is not None and first.alias_info.is_write
+        if in_place and args and isinstance(args[0], FlatDTensor) and isinstance(out, DTensor):
+            return args[0]  # an in-place op returns its input (an out= op its out)
+    if is_foreach(func) and isinstance(out, (list, tuple)):
+        # The i-th output comes from the i-th tensor of each input list.
+        groups = _paired_tensors(func, args, kwargs)
+        return type(out)(_relabel(o, _flat_axes(g), func) for o, g in zip(out, groups))
+    return tree_map(lambda t: _relabel(t, flats, func), out)
+
+
 class FlatDTensor(DTensor):
     """A DTensor with ``Flat`` placements (see the module docstring)."""
 
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        flats = _flat_axes((args, kwargs))
-        if func in _MEAN:
-            return _exact_mean(func, args, kwargs)
-        _refuse_before(func, args, flats)
-        _refuse_mismatched_rows(func, args, kwargs, flats)
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        if func._schema.is_mutable:
-            _bump_versions(func, args, kwargs)
-            first = func._schema.arguments[0] if func._schema.arguments else None
-            in_place = first is not None and first.alias_info is not None and first.alias_info.is_write
-            if in_place and args and isinstance(args[0], FlatDTensor) and isinstance(out, DTensor):
-                return args[0]  # an in-place op returns its input (an out= op its out)
-        if is_foreach(func) and isinstance(out, (list, tuple)):
-            # The i-th output comes from the i-th tensor of each input list.
-            groups = _paired_tensors(func, args, kwargs)
-            return type(out)(_relabel(o, _flat_axes(g), func) for o, g in zip(out, groups))
-        return tree_map(lambda t: _relabel(t, flats, func), out)
+    if dtensor_route.ROUTE is dtensor_route.DispatchRoute.TORCH_DISPATCH:
+        __torch_dispatch__ = dtensor_route.torch_dispatch_route(_guard)
+    else:
+        __torch_function__ = dtensor_route.torch_function_route(_guard)
 
     def __reduce_ex__(self, protocol):
         # This rank's rows only, in storage of their own: the local tensor is a view
@@ -263,16 +270,16 @@ def _extent(flat: Flat, t: DTensor, axis: int) -> tuple[int, int]:
     return sum(flat.rows), flat.rows[t.device_mesh.get_local_rank(axis)]
 
 
-def _exact_mean(func, args, kwargs):
+def _exact_mean(args, kwargs, types, base):
     """mean = sum / count: a sum reduces exactly over any row split."""
     x = args[0]
     dims = args[1] if len(args) > 1 else kwargs.get("dim")
     keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
     dtype = kwargs.get("dtype")
     if dims is None or (isinstance(dims, Sequence) and len(dims) == 0):
-        count, total = x.numel(), aten.sum.default(x, dtype=dtype)
+        count, total = x.numel(), _guard(aten.sum.default, types, (x,), {"dtype": dtype}, base)
     else:
         dims = [dims] if isinstance(dims, int) else list(dims)
         count = math.prod(x.shape[d] for d in dims)
-        total = aten.sum.dim_IntList(x, dims, keepdim, dtype=dtype)
-    return total / count
+        total = _guard(aten.sum.dim_IntList, types, (x, dims, keepdim), {"dtype": dtype}, base)
+    return _guard(aten.div.Scalar, types, (total, count), {}, base)

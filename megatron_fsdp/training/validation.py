@@ -377,6 +377,13 @@ def _optional_packages(args, world_size) -> list[str]:
     if args.distributed_backend == "nccl" and not device_mod.cuda_available():
         return ["--distributed-backend nccl needs CUDA, which this torch/machine lacks; use gloo (the default "
                 "without CUDA)"]
+    if (args.distributed_backend or "nccl") == "nccl" and device_mod.cuda_available():
+        # NCCL gives each process a GPU of its own (cuda:LOCAL_RANK), as Megatron-LM does.
+        local_rank, count = int(os.environ.get("LOCAL_RANK", "0")), device_mod.cuda_device_count()
+        if local_rank >= count:
+            return [f"the nccl backend (the default with CUDA) gives each process its own GPU, but this is local "
+                    f"rank {local_rank} and {count} CUDA device(s) are visible: launch at most {count} process(es) "
+                    f"per node (torchrun --nproc-per-node {count}), or pass --distributed-backend gloo to train on CPU"]
     if not args.use_mcore_models:
         return []
     if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:

@@ -1,0 +1,55 @@
+"""[Note: DTensor subclass routes] (dtensor_route.py): which route a torch takes, and
+the PieceDTensor / FlatDTensor guards through the torch 2.10/2.11 route, forced here
+on the installed torch (the GPU image runs torch 2.11, where it is the only route)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_fsdp import dtensor_route
+from megatron_fsdp.dtensor_route import DispatchRoute, route_for
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize(
+    "version, route",
+    [("2.6.0", DispatchRoute.TORCH_DISPATCH), ("2.9.1+cu128", DispatchRoute.TORCH_DISPATCH),
+     ("2.10.0", DispatchRoute.TORCH_FUNCTION), ("2.11.0+cu130", DispatchRoute.TORCH_FUNCTION),
+     ("2.12.0", DispatchRoute.TORCH_DISPATCH), ("2.13.0+cpu", DispatchRoute.TORCH_DISPATCH),
+     ("2.14.0.dev20261101", DispatchRoute.TORCH_DISPATCH)],
+)
+def test_route_follows_the_torch_version(version, route):
+    assert route_for(version) is route
+
+
+def test_route_override():
+    assert route_for("2.13.0", "torch_function") is DispatchRoute.TORCH_FUNCTION
+    assert route_for("2.11.0", "torch_dispatch") is DispatchRoute.TORCH_DISPATCH
+    with pytest.raises(ValueError, match="MFSDP_DTENSOR_ROUTE='dispatch': expected one of torch_dispatch, torch_function"):
+        route_for("2.13.0", "dispatch")
+
+
+# The DTensor APIs on both engines' parameters (exact or refused), GradScaler's foreach
+# unscale and autocast/recompute training on every strategy, and model lifetimes.
+_ROUTED_TESTS = [
+    "tests/test_experimental_dtensor.py",
+    "tests/test_registered_params.py::test_dtensor_apis_on_parameters_are_exact_or_refused",
+    "tests/test_patterns_amp.py",
+    "tests/test_lifetime.py",
+]
+
+
+@pytest.mark.skipif(dtensor_route.ROUTE is DispatchRoute.TORCH_FUNCTION,
+                    reason="this torch takes the torch_function route already: the whole suite runs through it")
+def test_guards_through_the_torch_function_route():
+    env = dict(os.environ, MFSDP_DTENSOR_ROUTE="torch_function", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *_ROUTED_TESTS],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], proc.stdout[-500:]
