@@ -5,13 +5,11 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
-import weakref
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.utils.weak import WeakIdKeyDictionary
 
 from . import collectives
 from . import device as device_mod
@@ -19,6 +17,7 @@ from . import streams, te_compat
 from . import state_dict as state_dict_mod
 from .all_gather_pipeline import AllGatherPipeline
 from .config import DistributedDataParallelConfig, check_unimplemented
+from .copy_guard import RefusesCopies, guard_module, release_module
 from .distributed_index import FSDPDistributedIndex, build_default_mesh
 from .enums import BucketStatus, ShardingStrategy
 from .grad_reduce_pipeline import GradReducePipeline, GradReduceOptions
@@ -26,41 +25,12 @@ from .hooks import FSDPUnit, HookRuntime, guard_hooks_under_compile
 from .marks import is_fsdp_no_shard
 from .meta_init import has_meta_tensors, materialize_meta_module
 from .mixed_precision import MixedPrecisionPolicy
+from .owners import COMPUTE_OWNERS, OWNERS, WRAPPED
 from .param_and_grad_buffer import ParamAndGradBuffer
 from .param_swap import RegisteredParams
 from .units import NO_SHARD_UNIT_SIZE, UnitSpec, merge_units, slot_plan, split_into_parameter_owners
 
 logger = logging.getLogger(__name__)
-
-class _OwnerMap:
-    """Object -> the MegatronFSDP it belongs to, holding neither strongly: a wrapper
-    holds its module and parameters, so a strong value would keep its own key, and
-    with it the whole model and its buffers, alive for the life of the process."""
-
-    def __init__(self) -> None:
-        self._refs = WeakIdKeyDictionary()
-
-    def __setitem__(self, key: Any, owner: "MegatronFSDP") -> None:
-        self._refs[key] = weakref.ref(owner)
-
-    def get(self, key: Any) -> Optional["MegatronFSDP"]:
-        ref = self._refs.get(key)
-        return None if ref is None else ref()
-
-    def __contains__(self, key: Any) -> bool:
-        return self.get(key) is not None
-
-    def pop(self, key: Any) -> None:
-        self._refs.pop(key, None)
-
-
-# Distributed parameter -> the MegatronFSDP that owns it (fully_shard_optimizer's lookup).
-_OWNERS = _OwnerMap()
-# Wrapped module -> its MegatronFSDP (wrapping twice is an error).
-_WRAPPED = _OwnerMap()
-# Compute parameter (the wrapped module's own) -> its MegatronFSDP (misuse checks).
-_COMPUTE_OWNERS = _OwnerMap()
-
 
 _SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -70,15 +40,6 @@ def _bits_differ(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     compare would call a NaN weight edited at every step (NaN != NaN) and re-gather it."""
     width = _SAME_WIDTH_INT[a.element_size()]
     return (a.view(width) != b.view(width)).any()
-
-
-def owner_of(param: torch.Tensor) -> Optional["MegatronFSDP"]:
-    return _OWNERS.get(param)
-
-
-def compute_owner_of(param: torch.Tensor) -> Optional["MegatronFSDP"]:
-    """The MegatronFSDP whose wrapped module holds ``param`` as a compute parameter."""
-    return _COMPUTE_OWNERS.get(param)
 
 
 def resolve_unit_classes(entries: Any) -> tuple[type, ...]:
@@ -136,7 +97,7 @@ def _default_ddp_config(**upstream_fields: Any) -> DistributedDataParallelConfig
     )
 
 
-class MegatronFSDP(nn.Module):
+class MegatronFSDP(RefusesCopies, nn.Module):
     """Fully sharded data parallel wrapper in the Megatron style.
 
     ``parameters()`` / ``named_parameters()`` / ``state_dict()`` expose the
@@ -213,7 +174,8 @@ class MegatronFSDP(nn.Module):
         streams.check_torch_for_device(self.device)
         self.module = module
         self._te_hooks = te_compat.prepare_fused_wgrad(module, self.mp_policy.grads_dtype_for)
-        _WRAPPED[module] = self
+        WRAPPED[module] = self
+        guard_module(module)
 
         units = self._find_units(module, resolve_unit_classes(fsdp_unit_modules), enable_fine_grained_param_gather_hook)
         units, self.param_and_grad_buffer = self._build_buffer(module, units, disable_bucketing)
@@ -266,9 +228,9 @@ class MegatronFSDP(nn.Module):
         self._runtime.register()
         for group in buffer.groups:
             for param in group.dist_params:
-                _OWNERS[param] = self
+                OWNERS[param] = self
             for param in group.params:
-                _COMPUTE_OWNERS[param] = self
+                COMPUTE_OWNERS[param] = self
         self._requires_grad = {p: p.requires_grad for g in buffer.groups for p in g.params}
         """Compute parameter -> requires_grad as last synchronised with its distributed twin."""
         self._shard_snapshots: dict = {}
@@ -762,11 +724,12 @@ class MegatronFSDP(nn.Module):
             for index, param in enumerate(group.params):
                 param.data = param.data.clone()
                 param.grad = None
-                _COMPUTE_OWNERS.pop(param)
+                COMPUTE_OWNERS.pop(param)
             for dist_param in group.dist_params:
-                _OWNERS.pop(dist_param)
+                OWNERS.pop(dist_param)
             self.all_gather_pipeline.reshard([group])
-        _WRAPPED.pop(self.module)
+        WRAPPED.pop(self.module)
+        release_module(self.module)
         return self.module
 
     @property
@@ -797,7 +760,7 @@ def _check_module(module: nn.Module, device: torch.device, *, allow_meta: bool =
                 f"cannot wrap {type(module).__name__}: {where} is already a data-parallel wrapper "
                 f"({type(sub).__name__}); wrap the plain model once, with one of megatron_fsdp, FSDP or DDP"
             )
-    wrapped = [p for p in module.parameters() if p in _COMPUTE_OWNERS or p in _OWNERS] or ([module] if module in _WRAPPED else [])
+    wrapped = [p for p in module.parameters() if p in COMPUTE_OWNERS or p in OWNERS] or ([module] if module in WRAPPED else [])
     if wrapped:
         raise ValueError(
             f"{type(module).__name__} (or a submodule of it) is already wrapped by megatron_fsdp: its parameters "

@@ -29,7 +29,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .megatron_fsdp import MegatronFSDP, compute_owner_of, owner_of
+from .megatron_fsdp import MegatronFSDP
+from .owners import compute_owner_of, owner_of
 from .optimizer_state_dict import state_dict_hooks
 from .piece_dtensor import PieceDTensor, piece_dtensor
 

@@ -35,7 +35,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .full_state_dict import gather_unsharded
-from .megatron_fsdp import owner_of
+from .owners import owner_of
 from .piece_dtensor import PieceDTensor, piece_dtensor
 from .state_dict import full_value, standard_dtensor
 

@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from .owners import owner_of
 from .uneven_dtensor import uneven_dtensor_to_full_tensor
 
 if TYPE_CHECKING:
@@ -251,8 +252,6 @@ def load_sharded_state_dict(model: "MegatronFSDP", state_dict: Mapping[str, Any]
 def _local_source(model: "MegatronFSDP", key: str, own: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """The part of ``value`` that this rank's ``own`` tensor (a distributed
     parameter or a buffer) holds."""
-    from .megatron_fsdp import owner_of  # the wrapper imports this module
-
     if isinstance(value, DTensor):
         if owner_of(value) is not None:  # a distributed parameter: flat shards
             local = own.to_local() if isinstance(own, DTensor) else own

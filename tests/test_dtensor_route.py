@@ -35,13 +35,12 @@ def test_route_override():
         route_for("2.13.0", "dispatch")
 
 
-# The DTensor APIs on both engines' parameters (exact or refused), GradScaler's foreach
-# unscale and autocast/recompute training on every strategy, and model lifetimes.
+# The DTensor APIs on both engines' parameters (exact or refused) and GradScaler's
+# foreach unscale while training on every strategy and API.
 _ROUTED_TESTS = [
     "tests/test_experimental_dtensor.py",
     "tests/test_registered_params.py::test_dtensor_apis_on_parameters_are_exact_or_refused",
-    "tests/test_patterns_amp.py",
-    "tests/test_lifetime.py",
+    "tests/test_patterns_amp.py::test_grad_scaler_skips_the_step_on_every_rank",
 ]
 
 

@@ -77,3 +77,68 @@ def test_wrapped_model_is_freed_after_del(pool2, api, strategy):
 def test_experimental_model_is_freed_after_del(pool2, strategy):
     for alive in pool2.run(lifetime_worker, api="experimental", strategy=strategy):
         assert alive == [], f"still alive after del + gc.collect(): {alive}"
+
+
+def copy_worker(rank, world, *, strategy):
+    """DDP's EMA habit, ema = copy.deepcopy(model.module), and torch.save(model): a
+    clear error naming the remedy, which then works."""
+    import copy
+    import io
+
+    torch.manual_seed(0)
+    module = Net()
+    ema = copy.deepcopy(module)  # the remedy's first half: copy before wrapping
+    model = mf.fully_shard_model(module, fsdp_unit_modules=[Block], zero_dp_strategy=strategy)
+    opt = mf.fully_shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    _train(model, opt, world, rank)
+    refused = {}
+    for name, attempt in {
+        "deepcopy(model)": lambda: copy.deepcopy(model),
+        "deepcopy(model.module)": lambda: copy.deepcopy(model.module),
+        "deepcopy(block)": lambda: copy.deepcopy(model.module.blocks[0]),
+        "torch.save(model)": lambda: torch.save(model, io.BytesIO()),
+        "torch.save(model.module)": lambda: torch.save(model.module, io.BytesIO()),
+    }.items():
+        try:
+            attempt()
+        except TypeError as exc:
+            refused[name] = "deep-copy the module before wrapping" in str(exc)
+    ema.load_state_dict(mf.get_full_state_dict(model))
+    full = mf.get_full_state_dict(model)
+    ema_equal = all(torch.equal(v, full[k]) for k, v in ema.state_dict().items())
+    # Unwrapped again, the module copies as any module does.
+    plain = model.unshard_module()
+    copied = copy.deepcopy(plain)
+    unwrapped_copy = all(torch.equal(a, b) for a, b in zip(copied.parameters(), plain.parameters()))
+    return refused, ema_equal, unwrapped_copy
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim_grads_params"])
+def test_copying_a_wrapped_model_is_refused_with_the_remedy(pool2, strategy):
+    for refused, ema_equal, unwrapped_copy in pool2.run(copy_worker, strategy=strategy):
+        assert refused == dict.fromkeys(refused, True) and len(refused) == 5, refused
+        assert ema_equal and unwrapped_copy
+
+
+def experimental_copy_worker(rank, world, *, strategy):
+    import copy
+    import io
+
+    torch.manual_seed(0)
+    model = Net()
+    ema = copy.deepcopy(model)
+    shard_net(model, make_mesh(world, strategy), placements_for(strategy))
+    messages = []
+    for attempt in (lambda: copy.deepcopy(model), lambda: torch.save(model, io.BytesIO())):
+        try:
+            attempt()
+        except TypeError as exc:
+            messages.append(str(exc))
+    ema.load_state_dict(experimental.full_state_dict(model))
+    return messages
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "zero3"])
+def test_copying_an_experimental_sharded_model_is_refused_with_the_remedy(pool2, strategy):
+    for messages in pool2.run(experimental_copy_worker, strategy=strategy):
+        assert len(messages) == 2 and all("experimental.full_state_dict(model)" in m for m in messages), messages

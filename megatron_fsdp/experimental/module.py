@@ -39,6 +39,7 @@ from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten
 
 from ..allocator import BufferAccounting, StorageResizeAllocator
+from ..copy_guard import RefusesCopies
 from ..mixed_precision import MixedPrecisionPolicy
 from .parameter_group import FsdpParameterGroup, PendingReduction, get_containing_parameter_group
 from .placement import specialize_placements
@@ -134,8 +135,11 @@ class FsdpContext:
             )
 
 
-class FsdpModule:
-    """Mixed into a module's class by ``fully_shard``; the module keeps its identity."""
+class FsdpModule(RefusesCopies):
+    """Mixed into a module's class by ``fully_shard``; the module keeps its identity.
+    Copying or pickling it raises with the remedy (copy_guard.py)."""
+
+    _FULL_WEIGHTS = "megatron_fsdp.experimental.full_state_dict(model)"
 
     class Phase(enum.Enum):
         RESTING = enum.auto()

@@ -1,0 +1,54 @@
+"""Which ``MegatronFSDP`` a parameter or module belongs to.
+
+Lookups from code that holds only a tensor (``fully_shard_optimizer``, the state-dict
+builders, misuse checks). The maps hold neither side strongly: a wrapper holds its
+module and parameters, so a strong value would keep its own key, and with it the
+whole model and its buffers, alive for the life of the process.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any, Optional
+
+from torch.utils.weak import WeakIdKeyDictionary
+
+if TYPE_CHECKING:
+    from .megatron_fsdp import MegatronFSDP
+
+
+class OwnerMap:
+    """Object (by identity) -> the MegatronFSDP it belongs to, both held weakly."""
+
+    def __init__(self) -> None:
+        self._refs = WeakIdKeyDictionary()
+
+    def __setitem__(self, key: Any, owner: "MegatronFSDP") -> None:
+        self._refs[key] = weakref.ref(owner)
+
+    def get(self, key: Any) -> Optional["MegatronFSDP"]:
+        ref = self._refs.get(key)
+        return None if ref is None else ref()
+
+    def __contains__(self, key: Any) -> bool:
+        return self.get(key) is not None
+
+    def pop(self, key: Any) -> None:
+        self._refs.pop(key, None)
+
+
+OWNERS = OwnerMap()
+"""Distributed parameter -> the MegatronFSDP that owns it (fully_shard_optimizer's lookup)."""
+WRAPPED = OwnerMap()
+"""Wrapped module -> its MegatronFSDP (wrapping twice is an error)."""
+COMPUTE_OWNERS = OwnerMap()
+"""Compute parameter (the wrapped module's own) -> its MegatronFSDP (misuse checks)."""
+
+
+def owner_of(param: Any) -> Optional["MegatronFSDP"]:
+    return OWNERS.get(param)
+
+
+def compute_owner_of(param: Any) -> Optional["MegatronFSDP"]:
+    """The MegatronFSDP whose wrapped module holds ``param`` as a compute parameter."""
+    return COMPUTE_OWNERS.get(param)
