@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["DispatchRoute", "ROUTE", "route_for", "torch_dispatch_route", "torch_function_route"]
+__all__ = ["DispatchRoute", "ROUTE", "route_for", "torch_dispatch_route", "torch_function_route", "verify"]
 
 Guard = Callable  # (func, types, args, kwargs, base) -> outputs
 
@@ -96,6 +96,25 @@ class _GuardMode(TorchDispatchMode):
         if not any(isinstance(t, self.cls) for t in tree_flatten((args, kwargs))[0]):
             return func(*args, **kwargs)
         return self.guard(func, types, args, kwargs, _op_itself)
+
+
+_verified: set = set()
+
+
+def verify(value: DTensor, cls: type) -> None:
+    """Once per subclass, on its first instance: its ops reach the guard on this torch
+    (an alias keeps the subclass). A torch that bypasses the route chosen for its
+    version would otherwise run every op unguarded, so this refuses at wrap time."""
+    if cls in _verified:
+        return
+    if type(value.detach()) is not cls:
+        raise RuntimeError(
+            f"torch {torch.__version__} does not route {cls.__name__}'s ops through {ROUTE.value} "
+            f"([Note: DTensor subclass routes] in megatron_fsdp/dtensor_route.py): its guards against wrong "
+            f"DTensor results could not run. Set {_ENV}=torch_function (or torch_dispatch) to take the other "
+            f"route, and please report this torch version"
+        )
+    _verified.add(cls)
 
 
 def torch_function_route(guard: Guard):

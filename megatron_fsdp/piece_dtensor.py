@@ -186,7 +186,9 @@ def _rewrap_outputs(out, func, args, kwargs):
 def piece_dtensor(local: torch.Tensor, mesh, placements, *, shape: torch.Size, stride) -> PieceDTensor:
     """A ``PieceDTensor`` over ``local`` (a view, no copy)."""
     plain = DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
-    return PieceDTensor(plain._local_tensor, plain._spec, requires_grad=plain.requires_grad)
+    piece = PieceDTensor(plain._local_tensor, plain._spec, requires_grad=plain.requires_grad)
+    dtensor_route.verify(piece, PieceDTensor)
+    return piece
 
 
 def _piece_specs(args, kwargs) -> set:

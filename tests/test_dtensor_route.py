@@ -54,3 +54,33 @@ def test_guards_through_the_torch_function_route():
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], proc.stdout[-500:]
+
+
+def unrouted_worker(rank, world):
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from megatron_fsdp.piece_dtensor import PieceDTensor, piece_dtensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    local = torch.zeros(4)
+    piece_dtensor(local, mesh, [Shard(0)], shape=torch.Size([4 * world]), stride=(1,))  # the route works here
+    plain = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
+
+    class Unrouted(DTensor):  # a DTensor subclass with no guard: its alias comes back as a plain DTensor
+        pass
+
+    try:
+        dtensor_route.verify(Unrouted(plain._local_tensor, plain._spec, requires_grad=False), Unrouted)
+    except RuntimeError as exc:
+        return str(exc), PieceDTensor in dtensor_route._verified
+    return None, PieceDTensor in dtensor_route._verified
+
+
+def test_a_subclass_whose_ops_skip_the_route_is_refused(pool2):
+    """A torch that bypassed the route chosen for its version would run every op
+    unguarded: the first instance's alias tells, at wrap time."""
+    for message, piece_verified in pool2.run(unrouted_worker):
+        assert message is not None and "does not route Unrouted's ops through" in message, message
+        assert "MFSDP_DTENSOR_ROUTE=torch_function" in message and piece_verified

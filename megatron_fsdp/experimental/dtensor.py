@@ -136,7 +136,9 @@ def flat_dtensor(
     (also when no axis is ``Flat``: the version counting below applies to every
     DBuffer tensor)."""
     plain = DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
-    return FlatDTensor(plain._local_tensor, _flat_spec(plain._spec), requires_grad=plain.requires_grad)
+    flat = FlatDTensor(plain._local_tensor, _flat_spec(plain._spec), requires_grad=plain.requires_grad)
+    dtensor_route.verify(flat, FlatDTensor)
+    return flat
 
 
 def _rebuild(local, mesh, placements, shape, stride, requires_grad) -> "FlatDTensor":
