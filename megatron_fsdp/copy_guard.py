@@ -5,8 +5,8 @@ replica. A module wrapped by megatron_fsdp holds no full model on any rank: its
 parameters are this rank's shards of flat buffers that the whole model shares, and
 its hooks run collectives over the model's process groups. A copy could keep neither
 (torch failed inside with "invalid python storage"), so ``copy.deepcopy`` and
-pickling (``torch.save(model)``) of the wrapper and of the wrapped module raise
-instead. ``state_dict()``, ``get_full_state_dict`` and the checkpoint functions are
+pickling (``torch.save(model)``) of the wrapper, the wrapped module and its
+submodules raise instead. ``state_dict()``, ``get_full_state_dict`` and the checkpoint functions are
 the ways to take weights out.
 """
 
