@@ -17,7 +17,7 @@ from . import streams, te_compat
 from . import state_dict as state_dict_mod
 from .all_gather_pipeline import AllGatherPipeline
 from .config import DistributedDataParallelConfig, check_unimplemented
-from .copy_guard import RefusesCopies, guard_module, release_module
+from .module_guards import RefusesCopies, guard_module, refuse_moves, release_module
 from .distributed_index import FSDPDistributedIndex, build_default_mesh
 from .enums import BucketStatus, ShardingStrategy
 from .grad_reduce_pipeline import GradReducePipeline, GradReduceOptions
@@ -175,7 +175,6 @@ class MegatronFSDP(RefusesCopies, nn.Module):
         self.module = module
         self._te_hooks = te_compat.prepare_fused_wgrad(module, self.mp_policy.grads_dtype_for)
         WRAPPED[module] = self
-        guard_module(module)
 
         units = self._find_units(module, resolve_unit_classes(fsdp_unit_modules), enable_fine_grained_param_gather_hook)
         units, self.param_and_grad_buffer = self._build_buffer(module, units, disable_bucketing)
@@ -185,6 +184,11 @@ class MegatronFSDP(RefusesCopies, nn.Module):
             self.init_peak_param_bytes = materialize_meta_module(module, buffer, self.device)
         self._start_runtime(units, sync_model_each_microbatch=sync_model_each_microbatch,
                             broadcast_buffers=broadcast_buffers)
+        guard_module(module)  # copies, pickles and moves of the wrapped module raise from here on
+
+    def _apply(self, fn, recurse: bool = True) -> "MegatronFSDP":
+        # model.to() / .cuda() / .half(): module_guards.py.
+        return refuse_moves(self, fn)
 
     # -- construction helpers -----------------------------------------------------
     def _start_runtime(self, units, *, sync_model_each_microbatch: bool, broadcast_buffers: bool) -> None:

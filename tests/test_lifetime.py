@@ -1,6 +1,8 @@
-"""A wrapped model, its optimizer and its buffers are freed once the user drops them,
-as with DDP and FSDP2. A GPU holding one model per configuration (a sweep, a notebook,
-gpu_check's sections) ran out of memory when every wrapped model lived on."""
+"""The wrapped model as a Python object. It is freed, with its optimizer and buffers,
+once the user drops it, as with DDP and FSDP2 (a GPU holding one model per
+configuration, gpu_check's sections, ran out of memory when every wrapped model lived
+on). Copies, pickles, moves and casts either work as under DDP or raise naming the
+remedy (module_guards.py)."""
 
 from __future__ import annotations
 
@@ -80,8 +82,8 @@ def test_experimental_model_is_freed_after_del(pool2, strategy):
 
 
 def copy_worker(rank, world, *, strategy):
-    """DDP's EMA habit, ema = copy.deepcopy(model.module), and torch.save(model): a
-    clear error naming the remedy, which then works."""
+    """DDP's EMA habit, ema = copy.deepcopy(model.module), torch.save(model) and casts
+    after wrapping: a clear error naming the remedy, which then works."""
     import copy
     import io
 
@@ -106,17 +108,31 @@ def copy_worker(rank, world, *, strategy):
     ema.load_state_dict(mf.get_full_state_dict(model))
     full = mf.get_full_state_dict(model)
     ema_equal = all(torch.equal(v, full[k]) for k, v in ema.state_dict().items())
-    # Unwrapped again, the module copies as any module does.
+    # A move or cast that changes nothing is DDP scripts' habit; others raise.
+    assert model.to("cpu") is model and model.float() is model
+    _train(model, opt, world, rank, steps=1)
+    for name, attempt in {
+        "model.double()": lambda: model.double(),
+        "model.to(float16)": lambda: model.to(torch.float16),
+        "model.module.half()": lambda: model.module.half(),
+        "block.double()": lambda: model.module.blocks[0].double(),
+    }.items():
+        try:
+            attempt()
+        except TypeError as exc:
+            refused[name] = "Move and cast the module before wrapping" in str(exc)
+    # Unwrapped again, the module copies and casts as any module does.
     plain = model.unshard_module()
     copied = copy.deepcopy(plain)
     unwrapped_copy = all(torch.equal(a, b) for a, b in zip(copied.parameters(), plain.parameters()))
+    unwrapped_copy &= plain.double().out.weight.dtype == torch.float64
     return refused, ema_equal, unwrapped_copy
 
 
 @pytest.mark.parametrize("strategy", ["no_shard", "optim_grads_params"])
-def test_copying_a_wrapped_model_is_refused_with_the_remedy(pool2, strategy):
+def test_copying_or_casting_a_wrapped_model_is_refused_with_the_remedy(pool2, strategy):
     for refused, ema_equal, unwrapped_copy in pool2.run(copy_worker, strategy=strategy):
-        assert refused == dict.fromkeys(refused, True) and len(refused) == 5, refused
+        assert refused == dict.fromkeys(refused, True) and len(refused) == 9, refused
         assert ema_equal and unwrapped_copy
 
 

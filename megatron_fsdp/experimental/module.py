@@ -39,7 +39,7 @@ from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten
 
 from ..allocator import BufferAccounting, StorageResizeAllocator
-from ..copy_guard import RefusesCopies
+from ..module_guards import RefusesCopies
 from ..mixed_precision import MixedPrecisionPolicy
 from .parameter_group import FsdpParameterGroup, PendingReduction, get_containing_parameter_group
 from .placement import specialize_placements
@@ -137,7 +137,7 @@ class FsdpContext:
 
 class FsdpModule(RefusesCopies):
     """Mixed into a module's class by ``fully_shard``; the module keeps its identity.
-    Copying or pickling it raises with the remedy (copy_guard.py)."""
+    Copying or pickling it raises with the remedy (module_guards.py)."""
 
     _FULL_WEIGHTS = "megatron_fsdp.experimental.full_state_dict(model)"
 

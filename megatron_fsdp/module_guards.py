@@ -1,4 +1,4 @@
-"""Copying or pickling a wrapped model raises, with the remedy.
+"""Copying, pickling, moving or casting a wrapped model raises, with the remedy.
 
 Under DDP ``copy.deepcopy(model.module)`` (an EMA, a frozen teacher) copies a full
 replica. A module wrapped by megatron_fsdp holds no full model on any rank: its
@@ -8,12 +8,20 @@ its hooks run collectives over the model's process groups. A copy could keep nei
 pickling (``torch.save(model)``) of the wrapper, the wrapped module and its
 submodules raise instead. ``state_dict()``, ``get_full_state_dict`` and the checkpoint functions are
 the ways to take weights out.
+
+Moving or casting it after wrapping (``model.to(device)``, ``.cuda()``, ``.half()``)
+would replace tensors that are views of those buffers (torch failed inside with
+"Couldn't swap"): such a call raises, naming the remedy, unless it changes nothing
+(``model.to(the device it is on)``, as a habit from DDP scripts).
 """
 
 from __future__ import annotations
 
-from typing import Any, NoReturn
+import functools
+import itertools
+from typing import Any, Callable, NoReturn
 
+import torch
 import torch.nn as nn
 
 _MESSAGE = (
@@ -58,15 +66,42 @@ def _refuse_pickle(protocol: Any) -> NoReturn:
 _GUARDS = {"__deepcopy__": _refuse_deepcopy, "__reduce_ex__": _refuse_pickle}
 
 
+_MOVE_MESSAGE = (
+    "model.to() / .cuda() / .half() / .double() after wrapping with megatron_fsdp would move or cast tensors "
+    "that are views of its flat buffers ({name}: {before} -> {after}). Move and cast the module before wrapping "
+    "(fully_shard_model(module.to(device, dtype), device=device)); for bf16 compute with fp32 main weights pass "
+    "mixed_precision_policy=MixedPrecisionPolicy(main_params_dtype=torch.float32). A call that changes nothing "
+    "(model.to(the device it is on)) is allowed"
+)
+
+
+def refuse_moves(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]) -> nn.Module:
+    """``nn.Module._apply`` for a wrapped model: nothing to do when ``fn`` keeps every
+    parameter's and buffer's dtype and device (tried on an empty tensor of each kind),
+    else raise."""
+    named = itertools.chain(module.named_parameters(), module.named_buffers())
+    for name, tensor in named:
+        probe = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+        out = fn(probe)
+        if out.dtype != tensor.dtype or out.device != tensor.device:
+            before, after = f"{tensor.dtype} on {tensor.device}", f"{out.dtype} on {out.device}"
+            raise TypeError(_MOVE_MESSAGE.format(name=name, before=before, after=after))
+    return module
+
+
+def _refuse_moves_of(module: nn.Module, fn: Callable, recurse: bool = True) -> nn.Module:
+    return refuse_moves(module, fn)
+
+
 def guard_module(module: nn.Module) -> None:
     """The wrapped module and its submodules (whose parameters are shards too) refuse
-    copies while wrapped."""
+    copies, and moves or casts that change anything, while wrapped."""
     for sub in module.modules():
-        sub.__dict__.update(_GUARDS)
+        sub.__dict__.update(_GUARDS, _apply=functools.partial(_refuse_moves_of, sub))
 
 
 def release_module(module: nn.Module) -> None:
-    """Unwrapped again (``unshard_module``): copies work as for any module."""
+    """Unwrapped again (``unshard_module``): copies and moves work as for any module."""
     for sub in module.modules():
-        for name in _GUARDS:
+        for name in (*_GUARDS, "_apply"):
             sub.__dict__.pop(name, None)
