@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import enum
 import importlib
 import logging
 from typing import Any, Iterator, Optional, Sequence
@@ -31,6 +32,17 @@ from .param_swap import RegisteredParams
 from .units import NO_SHARD_UNIT_SIZE, UnitSpec, merge_units, slot_plan, split_into_parameter_owners
 
 logger = logging.getLogger(__name__)
+
+class EditKind(enum.Enum):
+    """How in-place edits of a group's distributed parameters reach its compute weights."""
+
+    MAIN = enum.auto()
+    """The compute weights are a local cast of separate main weights."""
+    SHARD = enum.auto()
+    """The user's shard of replicated weights (ZeRO-1/2) must reach the other ranks."""
+    PIECE = enum.auto()
+    """HFSDP: the model-weight shard is gathered from the outer group's main-weight pieces."""
+
 
 _SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -498,17 +510,15 @@ class MegatronFSDP(RefusesCopies, nn.Module):
                 b.copy_(piece.view_as(b))
 
     # -- user changes between steps ---------------------------------------------------
-    def _edit_kind(self, group) -> Optional[str]:
-        """How in-place edits of the group's distributed parameters are seen:
-        ``"main"`` the compute weights are a cast copy of separate main weights;
-        ``"shard"`` the user's shard of replicated weights (ZeRO-1/2) must reach the
-        other ranks; ``None`` the compute weights are what the user edits."""
+    def _edit_kind(self, group) -> Optional[EditKind]:
+        """How in-place edits of the group's distributed parameters are seen (``None``:
+        the compute weights are what the user edits)."""
         if group.hfsdp and group.strategy.shards_optimizer:
-            return "piece"  # the model-weight shard is gathered from the outer group's pieces
+            return EditKind.PIECE
         if group.main_weights is not None:
-            return "main"
+            return EditKind.MAIN
         if group.strategy in (ShardingStrategy.OPTIM, ShardingStrategy.OPTIM_GRADS) and group.layout.world_size > 1:
-            return "shard"
+            return EditKind.SHARD
         return None
 
     @torch.no_grad()
@@ -516,26 +526,25 @@ class MegatronFSDP(RefusesCopies, nn.Module):
         """After the weights were installed: what the next forward compares against."""
         self._check_edits = True
         for group in self.param_and_grad_buffer.groups:
-            if self._edit_kind(group) == "shard":
+            if self._edit_kind(group) is EditKind.SHARD:
                 snapshot = self._shard_snapshots.get(group)
                 if snapshot is None:
                     self._shard_snapshots[group] = group.model_weights.shard.clone()
                 else:
                     snapshot.copy_(group.model_weights.shard)
 
-    def _edited(self, group) -> torch.Tensor:
+    def _edited(self, group, kind: EditKind) -> torch.Tensor:
         """0-dim: the group's weights changed since installed (on the device: one
         host sync for all groups, not one per group)."""
-        kind = self._edit_kind(group)
-        model, main = group.model_weights, group.main_weights
-        if kind == "piece":
+        if kind is EditKind.PIECE:
+            model, main = group.model_weights, group.main_weights
             numel = main.data.numel()
             mine = model.data[group.dp.outer_rank * numel : (group.dp.outer_rank + 1) * numel]
             return _bits_differ(mine, main.data.to(mine.dtype))
-        if kind == "main":
-            mine, source = (model.shard, main.shard) if group.strategy.shards_optimizer else (model.data, main.data)
+        if kind is EditKind.MAIN:
+            mine, source = group.cast_pair()
             return _bits_differ(mine, source.to(mine.dtype))
-        return _bits_differ(model.shard, self._shard_snapshots[group])
+        return _bits_differ(group.model_weights.shard, self._shard_snapshots[group])
 
     @torch.no_grad()
     def _refresh_edited_weights(self) -> None:
@@ -549,8 +558,8 @@ class MegatronFSDP(RefusesCopies, nn.Module):
         if not self._check_edits:
             return
         self._check_edits = False
-        groups = [g for g in self.param_and_grad_buffer.groups if self._edit_kind(g) is not None]
-        recast = [g for g in groups if self._edit_kind(g) == "main"
+        kinds = {g: kind for g in self.param_and_grad_buffer.groups if (kind := self._edit_kind(g)) is not None}
+        recast = [g for g, kind in kinds.items() if kind is EditKind.MAIN
                   and g.strategy in (ShardingStrategy.NO_SHARD, ShardingStrategy.OPTIM_GRADS_PARAMS)]
         if recast:
             # Compute weights that are this rank's own cast of its main weights (no
@@ -558,21 +567,19 @@ class MegatronFSDP(RefusesCopies, nn.Module):
             # less than the compare, and needs no host read of a flag.
             self.all_gather_pipeline.wait(recast)
             for group in recast:
-                if group.strategy.shards_optimizer:
-                    group.model_weights.shard.copy_(group.main_weights.shard)
-                else:
-                    group.model_weights.data.copy_(group.main_weights.data)
-            groups = [g for g in groups if g not in recast]
+                model, main = group.cast_pair()
+                model.copy_(main)
+        groups = [g for g in kinds if g not in recast]
         if not groups:
             return
-        flags = torch.stack([self._edited(g) for g in groups]).float()
+        flags = torch.stack([self._edited(g, kinds[g]) for g in groups]).float()
         # Decisions that lead to collectives must be the same on every rank.
         dp = self.dist_index.groups_for(False)
         if any(g.strategy in (ShardingStrategy.OPTIM, ShardingStrategy.OPTIM_GRADS) and g.layout.world_size > 1
                for g in groups):
             collectives.control_all_reduce(flags, dp.shard_group, op=dist.ReduceOp.MAX, label="weight_edits",
                                            timeout=self.grad_reduce_pipeline.timeout)
-        if any(self._edit_kind(g) == "piece" for g in groups):
+        if any(kinds[g] is EditKind.PIECE for g in groups):
             for pg in (dp.shard_group, dp.outer_group):
                 if pg is not None and dist.get_world_size(pg) > 1:
                     collectives.control_all_reduce(flags, pg, op=dist.ReduceOp.MAX, label="weight_edits",
@@ -581,16 +588,13 @@ class MegatronFSDP(RefusesCopies, nn.Module):
         if not edited:
             return
         self.all_gather_pipeline.wait(edited)
-        pieces = [g for g in edited if self._edit_kind(g) == "piece"]
+        pieces = [g for g in edited if kinds[g] is EditKind.PIECE]
         if pieces:
             self.all_gather_pipeline.gather_outer(pieces)
         for group in edited:
-            if group in pieces:
-                continue
-            if group.main_weights is not None and group.strategy.shards_optimizer:
-                group.model_weights.shard.copy_(group.main_weights.shard)
-            elif group.main_weights is not None:
-                group.model_weights.data.copy_(group.main_weights.data)
+            if kinds[group] is EditKind.MAIN:
+                model, main = group.cast_pair()
+                model.copy_(main)
         stale = [g for g in edited if g.strategy in (ShardingStrategy.OPTIM, ShardingStrategy.OPTIM_GRADS)]
         self.all_gather_pipeline.mark_stale(stale)
         self.all_gather_pipeline.unshard([g for g in stale if g.model_weights.status is BucketStatus.EMPTY], async_op=False)

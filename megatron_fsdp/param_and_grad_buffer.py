@@ -93,6 +93,14 @@ class ParameterGroup:
         where = "root" if self.unit is None else f"unit{self.unit}"
         return f"{where}/{str(self.dtype).removeprefix('torch.')}/g{self.index}"
 
+    def cast_pair(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this rank's model weights, the main weights they are a local cast of): the
+        shards under a sharded optimizer, the whole buffers otherwise. For groups with
+        main weights that are not HFSDP (whose model shard is gathered instead)."""
+        if self.strategy.shards_optimizer:
+            return self.model_weights.shard, self.main_weights.shard
+        return self.model_weights.data, self.main_weights.data
+
     def optimizer_piece(self, index: int) -> tuple[int, int]:
         """(start in the unsharded bucket, numel) of the part of item ``index`` this
         rank's optimizer owns."""
@@ -533,10 +541,7 @@ class ParamAndGradBuffer:
         for group in self.groups:
             if group.hfsdp and group.strategy.shards_optimizer:
                 outer_gathers.append(group)
-            elif group.main_weights is None:
-                continue
-            elif group.strategy.shards_optimizer:
-                group.model_weights.shard.copy_(group.main_weights.shard)
-            else:
-                group.model_weights.data.copy_(group.main_weights.data)
+            elif group.main_weights is not None:
+                model, main = group.cast_pair()
+                model.copy_(main)
         return outer_gathers
