@@ -34,6 +34,23 @@ temporary shard and copies it into place (upstream once accumulated the result
 back into the source shard, doubling the local gradient). When ``grad_comm_dtype``
 differs from the main-grad dtype, the source is a temporary bucket of the wire dtype
 that lives only for the collective.
+
+[Note: copy-in at launch] ZeRO-2/3 keep each raw gradient as autograd made it
+until the group's reduction is launched, then copy (and scale) them all into the
+temporary bucket at once, rather than one by one as they arrive. On CUDA that copy
+runs on the reduce-scatter stream, overlapping the backward compute of the next
+group; on the CPU it is the same work at a later moment, with the same arithmetic.
+
+[Note: the reduce-scatter stream] (streams.py: [Note: the CUDA stream design]) A
+launch enters the reduce-scatter stream, which first waits for everything the
+compute stream has queued (the gradients), and there does the copy-in, the scaling,
+the NaN note and the collective's issue (NCCL's stream waits for this one). The
+compute stream meets the result in ``_finish``: ``Handle.wait()`` makes it wait for
+the collective, hence also for the copy-in, and only then are the temporaries
+released and the raw gradients dropped, so the caching allocator never hands their
+bytes to compute work that could run before the copy (no ``record_stream``). Every
+entry into the stream waits for the compute stream, so a block the stream allocated
+and the compute stream used is also safe to reuse there. On CPU there is no stream.
 """
 
 from __future__ import annotations
@@ -48,6 +65,7 @@ import torch.nn as nn
 
 from . import collectives, te_compat
 from .allocator import StorageResizeAllocator
+from .streams import CommStreams, StreamKind
 from .enums import ShardingStrategy
 from .mixed_precision import MixedPrecisionPolicy
 from .nan_check import NonFiniteGradTracker
@@ -77,8 +95,10 @@ class _GroupGradState:
     """Per item: received a gradient on this rank since the last zeroing (0/1)."""
     ready: set = dataclasses.field(default_factory=set)
     """Item indices whose gradient arrived in the current backward pass."""
-    bucket: Optional[torch.Tensor] = None
-    """ZeRO-2/3: temporary unsharded gradients of the current backward pass."""
+    grads: list = dataclasses.field(default_factory=list)
+    """ZeRO-2/3: this pass's raw gradients as (item index, flat gradient), in arrival
+    order, until the group's reduction copies them into its bucket ([Note: copy-in at
+    launch])."""
     requested: bool = False
     """The group may be reduced in this pass (complete, or the pass ended)."""
     launched: bool = False
@@ -101,6 +121,10 @@ class _Pending:
     finalize: Callable[[], None]
     holds_memory: bool
     """Temporary buckets stay allocated until this reduction is finalised."""
+    inputs: list = dataclasses.field(default_factory=list)
+    """The raw gradients copied in on the reduce-scatter stream: kept alive until the
+    compute stream has waited for the collective, so that the caching allocator
+    cannot hand their memory to compute work that might run before the copy."""
 
 
 class GradReducePipeline:
@@ -111,8 +135,11 @@ class GradReducePipeline:
         policy: MixedPrecisionPolicy,
         options: GradReduceOptions,
         allocator: StorageResizeAllocator,
+        comm_streams: Optional[CommStreams] = None,
     ) -> None:
         self.groups: list[ParameterGroup] = []
+        self.comm_streams = comm_streams or CommStreams(torch.device("cpu"))
+        """Where reductions are issued from ([Note: the reduce-scatter stream]); none on CPU."""
         self._outer_reduced = False
         self.policy = policy
         self.options = options
@@ -160,7 +187,7 @@ class GradReducePipeline:
         if group.strategy.shards_grads:
             param.grad = None
             if grad is not None:
-                self._into_bucket(group, state, index, grad.reshape(-1))
+                state.grads.append((index, grad.reshape(-1)))
         else:
             view = self._views.get(param)
             if grad is not None and grad is not view:
@@ -172,26 +199,22 @@ class GradReducePipeline:
         state.ready.add(index)
         return len(state.ready) == len(group.params)
 
-    def _into_bucket(self, group: ParameterGroup, state: "_GroupGradState", index: int, flat: torch.Tensor) -> None:
-        """ZeRO-2/3: write the scaled gradient into this pass's temporary bucket. The
-        bucket starts uninitialised; gaps (absent gradients, padding) are zeroed at
-        reduction time, so the common case is one pass over each gradient."""
-        if state.bucket is None:
-            state.bucket = self.allocator.new(group.layout.padded_numel, self._comm_dtype(group), group.main_grads.device)
-        start, end = group.layout.item_range(index)
-        target = state.bucket[start:end]
+    def _copy_in(self, group: ParameterGroup, grads: list, bucket: torch.Tensor) -> None:
+        """ZeRO-2/3: write this pass's scaled gradients into the (uninitialised) bucket
+        and zero the gaps (absent gradients, padding): one pass over each gradient."""
         scaling = self._scaling(group)
-        if index in state.ready:  # a second gradient in the same pass
-            target.add_(flat, alpha=scaling)
-        elif scaling != 1.0:
-            torch.mul(flat, scaling, out=target)
-        else:
-            target.copy_(flat)
-
-    def _fill_gaps(self, group: ParameterGroup, state: "_GroupGradState") -> None:
-        bucket = state.bucket
+        written: set[int] = set()
+        for index, flat in grads:
+            target = bucket[slice(*group.layout.item_range(index))]
+            if index in written:  # a second gradient in the same pass
+                target.add_(flat, alpha=scaling)
+            elif scaling != 1.0:
+                torch.mul(flat, scaling, out=target)
+            else:
+                target.copy_(flat)
+            written.add(index)
         for index in range(len(group.params)):
-            if index not in state.ready:
+            if index not in written:
                 bucket[slice(*group.layout.item_range(index))].zero_()
         bucket[group.layout.numel :].zero_()
 
@@ -235,7 +258,7 @@ class GradReducePipeline:
         for group in self.groups:
             state = self._state[group]
             if group.strategy.shards_grads:
-                if state.bucket is not None:
+                if state.grads:
                     self._launch(group, outer=True)
             elif state.unreduced_backward or state.reductions_since_zero == 0:
                 # Not ``reductions_since_zero == 0`` alone: zeroing only some items
@@ -254,57 +277,68 @@ class GradReducePipeline:
         async_op = self.options.overlap if async_op is None else async_op
         strategy, main = group.strategy, group.main_grads
         comm_dtype = self._comm_dtype(group)
-        temps: list[torch.Tensor] = []  # allocated here, released once the collective is done
+        grads, state.grads = state.grads, []
 
-        if strategy.shards_grads:
-            source = state.bucket
-            if source is None:  # no gradient reached this group, but every rank must join
-                source = self.allocator.new(group.layout.padded_numel, comm_dtype, main.device, zero=True)
-            else:
-                self._fill_gaps(group, state)
-            state.bucket = None
-            temps.append(source)
-        elif comm_dtype != main.dtype:
-            # A wire-dtype copy lives only for the collective (no second persistent buffer).
+        # Temporaries are allocated here, on the compute stream, and released once it
+        # has waited for the collective ([Note: the reduce-scatter stream]).
+        temps: list[torch.Tensor] = []
+        if strategy.shards_grads or comm_dtype != main.dtype:
+            # ZeRO-2/3: this pass's gradients; ZeRO-0/1 with a wire dtype: a copy that
+            # lives only for the collective (no second persistent buffer).
             source = self.allocator.new(group.layout.padded_numel, comm_dtype, main.device)
-            source.copy_(main.data)
             temps.append(source)
         else:
             source = main.data
-
-        if self.options.check_for_nan:
-            self.nonfinite.note(group, source)
-        op = self._op()
-        scaling = self._scaling(group)
-        if scaling != 1.0 and not strategy.shards_grads:  # ZeRO-2/3 scaled on the way in
-            source.mul_(scaling)
-
         if strategy is ShardingStrategy.NO_SHARD:
             output = source
-            work = collectives.all_reduce(
-                source, group.dp.shard_group, op=op, async_op=async_op, label=group.label, timeout=self.timeout
-            )
+        elif source is main.data:
+            # ZeRO-1 without a wire dtype: reduce-scatter in place into this rank's
+            # own region of the source (NCCL and gloo both allow exactly this alias).
+            output = main.shard
+        elif strategy.shards_grads and state.reductions_since_zero == 1 and comm_dtype == main.dtype:
+            # First reduction since zeroing: the main-grad shard is zero, so the
+            # result can land there directly: no output bucket, no add.
+            output = main.data
         else:
-            if source is main.data:
-                # ZeRO-1 without a wire dtype: reduce-scatter in place into this rank's
-                # own region of the source (NCCL and gloo both allow exactly this alias).
-                output = main.shard
-            elif strategy.shards_grads and state.reductions_since_zero == 1 and comm_dtype == main.dtype:
-                # First reduction since zeroing: the main-grad shard is zero, so the
-                # result can land there directly: no output bucket, no add.
-                output = main.data
+            output = self.allocator.new(group.layout.shard_numel, comm_dtype, main.device)
+            temps.append(output)
+
+        op, scaling = self._op(), self._scaling(group)
+        with self.comm_streams.on(StreamKind.REDUCE_SCATTER):
+            if strategy.shards_grads:
+                self._copy_in(group, grads, source)  # scaled on the way in
+            elif source is not main.data:
+                source.copy_(main.data)
+            if self.options.check_for_nan:
+                self.nonfinite.note(group, source)
+            if scaling != 1.0 and not strategy.shards_grads:
+                source.mul_(scaling)
+            # Always asynchronous here: a synchronous launch waits below, on the
+            # compute stream, which is the stream that must see the result.
+            if strategy is ShardingStrategy.NO_SHARD:
+                work = collectives.all_reduce(
+                    source, group.dp.shard_group, op=op, async_op=True, label=group.label, timeout=self.timeout
+                )
             else:
-                output = self.allocator.new(group.layout.shard_numel, comm_dtype, main.device)
-                temps.append(output)
-            work = collectives.reduce_scatter(
-                output, source, group.dp.shard_group, op=op, async_op=async_op, label=group.label, timeout=self.timeout
-            )
+                work = collectives.reduce_scatter(
+                    output, source, group.dp.shard_group, op=op, async_op=True, label=group.label, timeout=self.timeout
+                )
         finalize = self._finalizer(group, output, temps, outer=outer and group.dp.outer_group is not None)
+        pending = _Pending(group, work, finalize, holds_memory=bool(temps), inputs=grads)
         if async_op:
-            self._pending.append(_Pending(group, work, finalize, holds_memory=bool(temps)))
+            self._pending.append(pending)
             self._retire(keep=self.options.max_inflight)
         else:
-            finalize()
+            self._finish(pending)
+
+    @staticmethod
+    def _finish(pending: _Pending) -> None:
+        """Wait for one reduction (on CUDA: the compute stream waits, the host does
+        not), then accumulate its result and release its temporaries and inputs."""
+        if pending.work is not None:
+            pending.work.wait()
+        pending.finalize()
+        pending.inputs.clear()
 
     @torch.no_grad()
     def rebase(self, group: ParameterGroup) -> None:
@@ -357,9 +391,7 @@ class GradReducePipeline:
             if not done and sum(p.holds_memory for p in self._pending) <= keep:
                 return
             self._pending.pop(0)
-            if head.work is not None:
-                head.work.wait()
-            head.finalize()
+            self._finish(head)
 
     def _finalizer(
         self, group: ParameterGroup, output: torch.Tensor, temps: list[torch.Tensor], *, outer: bool
@@ -442,9 +474,7 @@ class GradReducePipeline:
     def wait_all(self) -> None:
         pending, self._pending = self._pending, []
         for item in pending:
-            if item.work is not None:
-                item.work.wait()
-            item.finalize()
+            self._finish(item)
         self._wait_outer()
 
     def raise_if_nonfinite(self) -> None:
@@ -500,9 +530,7 @@ class GradReducePipeline:
                 state.reductions_since_zero = 0
                 state.holds_reduced = state.outer_reduced = False
                 self.global_used.pop(g, None)
-                if state.bucket is not None:
-                    self.allocator.release(state.bucket)
-                    state.bucket = None
+                state.grads.clear()
                 continue
             main = g.main_grads
             for index in items:

@@ -213,6 +213,7 @@ class MegatronFSDP(RefusesCopies, nn.Module):
             policy=self.mp_policy,
             options=self._grad_options(),
             allocator=buffer.allocator,
+            comm_streams=streams.CommStreams(self.device),
         )
         # Per model, never process-wide (collectives: [Note: collective timeouts]).
         timeout = collectives.as_timeout(self.ddp_config.collective_timeout_s)

@@ -25,6 +25,20 @@ host sync). The design this module provides for the pipelines::
 * On CPU/gloo every call here is a no-op (``CommStreams.on(...)`` is a null
   context, events are ``None``): the pipelines read the same on both.
 
+Wired today: the gradient reductions (grad_reduce_pipeline: [Note: the
+reduce-scatter stream]). The gathers need no stream of their own: they copy nothing
+on the compute stream (buckets are flat and parameters are views into them), and
+NCCL already runs each process group's collectives on that group's internal stream,
+which is also why the HSDP/HFSDP outer reductions (their own process group) overlap
+backward ([Note: overlapped outer reduction]).
+
+[Note: streams switch] The reduce-scatter stream was designed and checked on the
+CPU (a protocol test drives the pipeline through a recording stand-in and asserts
+the ordering above) but has not yet run on a GPU, so CUDA keeps the verified
+single-stream path unless ``MFSDP_COMM_STREAMS=1``. ``scripts/gpu_check.py``'s
+``streams`` section runs with it on (parity under gradient accumulation, and a
+sanitizer run); the default flips once a GPU session has shown it exact and faster.
+
 Only this module and device.py may call ``torch.cuda``.
 """
 
@@ -32,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import os
 from typing import Iterator, Optional
 
 import torch
@@ -66,13 +81,28 @@ def check_torch_for_device(device: torch.device, version: Optional[tuple[int, in
         )
 
 
-class CommStreams:
-    """The communication streams of one device (none on CPU)."""
+STREAMS_ENV = "MFSDP_COMM_STREAMS"
 
-    def __init__(self, device: torch.device) -> None:
+
+def side_streams_enabled() -> bool:
+    """[Note: streams switch]: off unless ``MFSDP_COMM_STREAMS`` is 1/true/on."""
+    value = os.environ.get(STREAMS_ENV, "0").strip().lower()
+    if value in ("1", "true", "on"):
+        return True
+    if value in ("0", "false", "off", ""):
+        return False
+    raise ValueError(f"{STREAMS_ENV}={value!r} is not one of 1/true/on or 0/false/off")
+
+
+class CommStreams:
+    """The communication streams of one device (none on CPU, or with the switch off)."""
+
+    def __init__(self, device: torch.device, enabled: Optional[bool] = None) -> None:
         self.device = device
         self._streams: dict[StreamKind, object] = {}
-        if device.type == "cuda":
+        if enabled is None:
+            enabled = side_streams_enabled()
+        if device.type == "cuda" and enabled:
             # Lower number = higher priority; -1 is the highest CUDA exposes today.
             low, high = torch.cuda.Stream.priority_range()
             self._streams = {kind: torch.cuda.Stream(device=device, priority=high) for kind in StreamKind}

@@ -6,6 +6,8 @@ On one GPU (world size 1 on a real NCCL group), with nothing to download:
 * parity: every strategy x eager/meta init x double buffer off/on trains equal to the
   bare model (fp32, AdamW eps=1e-4); bf16 compute with fp32 main weights against a
   hand-written fp32-master reference;
+* streams: gradient accumulation on a wider model with the reduce-scatter stream
+  (run it again under ``TORCH_CUDA_SANITIZER=1`` to check the stream ordering);
 * checkpoint: ``save_checkpoint``/``load_checkpoint`` round trip into a fresh model;
 * memory: ``torch.cuda.memory_allocated()`` against the package's buffer accounting;
 * host syncs per steady-state step (CUDA sync-debug mode), NaN checks off and on;
@@ -38,7 +40,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import megatron_fsdp as mf  # noqa: E402
-from megatron_fsdp import device as device_mod  # noqa: E402
+from megatron_fsdp import device as device_mod, streams  # noqa: E402
 from megatron_fsdp.models import GPT, GPTConfig, TransformerBlock  # noqa: E402
 from megatron_fsdp.models.gpt import gpt_loss  # noqa: E402
 
@@ -109,6 +111,59 @@ def check_parity(device: torch.device) -> dict:
                 rows.append(dict(strategy=strategy, meta_init=meta, double_buffer=double_buffer, max_abs_diff=diff))
                 del model, opt, ref, module
                 collect()
+    return dict(rows=rows, worst=worst, tolerance=1e-5, passed=worst <= 1e-5)
+
+
+# Wide enough that a gradient copy-in takes long enough to lose a race with compute.
+WIDE = dict(num_layers=6, hidden_size=1024, num_attention_heads=8, seq_length=256, vocab_size=512)
+
+
+@contextlib.contextmanager
+def comm_streams_on():
+    """Models built inside use the side streams (streams.py: [Note: streams switch])."""
+    previous = os.environ.get(streams.STREAMS_ENV)
+    os.environ[streams.STREAMS_ENV] = "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ[streams.STREAMS_ENV]
+        else:
+            os.environ[streams.STREAMS_ENV] = previous
+
+
+def accumulate_and_step(model, optimizer, data, microbatches: int) -> None:
+    for start in range(0, len(data), microbatches):
+        optimizer.zero_grad()
+        for tokens in data[start : start + microbatches]:
+            (gpt_loss(model(tokens[:, :-1]), tokens[:, 1:]) / microbatches).backward()
+        optimizer.step()
+
+
+def check_streams(device: torch.device) -> dict:
+    """The reduce-scatter stream (grad_reduce_pipeline: [Note: the reduce-scatter
+    stream]): gradient accumulation over 4 microbatches on a wide model, NaN checks
+    on (their flags are written on that stream), pooled buckets off and on, equal to
+    the bare model. Under ``TORCH_CUDA_SANITIZER=1`` the small model is used and the
+    sanitizer reports any unsynchronised access across streams."""
+    cfg = SMALL if device.type == "cpu" or os.environ.get("TORCH_CUDA_SANITIZER") else WIDE
+    data, microbatches = batches(12, 8, cfg, device), 4
+    ref = build(cfg, device)
+    accumulate_and_step(ref, adamw(ref.parameters()), data, microbatches)
+    rows, worst = [], 0.0
+    for strategy in STRATEGIES:
+        for double_buffer in (False, True):
+            with comm_streams_on():
+                model, opt = wrap(build(cfg, device), device, strategy, fsdp_double_buffer=double_buffer,
+                                  check_for_nan_in_grad=True)
+            assert model.grad_reduce_pipeline.comm_streams.active == (device.type == "cuda")
+            accumulate_and_step(model, opt, data, microbatches)
+            diff = max_diff(mf.get_full_state_dict(model), ref)
+            model.finish_param_sync()
+            worst = max(worst, diff)
+            rows.append(dict(strategy=strategy, double_buffer=double_buffer, max_abs_diff=diff))
+            del model, opt
+            collect()
     return dict(rows=rows, worst=worst, tolerance=1e-5, passed=worst <= 1e-5)
 
 
@@ -253,7 +308,10 @@ def _build_impl(name: str, cfg: dict, device: torch.device):
         model = fully_shard(module)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     else:
-        model = mf.fully_shard_model(module, fsdp_unit_modules=[TransformerBlock], zero_dp_strategy=name, device=device)
+        strategy, _, variant = name.partition("+")  # "+streams": with the side streams
+        with comm_streams_on() if variant == "streams" else contextlib.nullcontext():
+            model = mf.fully_shard_model(module, fsdp_unit_modules=[TransformerBlock], zero_dp_strategy=strategy,
+                                         device=device)
         opt = mf.fully_shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda"))
     return model, opt
 
@@ -307,7 +365,7 @@ def check_step_time(device: torch.device, rounds: int, steps: int) -> dict:
     cfg = BILLION if device.type == "cuda" else dict(SMALL)
     params = sum(p.numel() for p in build(cfg, "meta").parameters())
     data = batches(steps + 3, 8 if device.type == "cuda" else 2, cfg, device)
-    impls = ("bare", "fsdp2", "no_shard", "optim_grads_params")
+    impls = ("bare", "fsdp2", "no_shard", "optim_grads_params", "optim_grads_params+streams")
     times: dict[str, list[float]] = {k: [] for k in impls}
     for r in range(rounds):
         order = impls[r % len(impls):] + impls[: r % len(impls)]  # rotate: no impl always runs first
@@ -391,7 +449,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="results/gpu_check")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
-    parser.add_argument("--sections", default="parity,bf16,checkpoint,memory,syncs,fake_world,profile,step_time")
+    parser.add_argument("--sections", default="parity,streams,bf16,checkpoint,memory,syncs,fake_world,profile,step_time")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--fake-world", type=int, default=0, help=argparse.SUPPRESS)
@@ -408,6 +466,7 @@ def main() -> None:
     sections = {
         "parity": lambda: check_parity(device),
         "bf16": lambda: check_bf16(device),
+        "streams": lambda: check_streams(device),
         "checkpoint": lambda: check_checkpoint(device, out),
         "memory": lambda: check_memory(device),
         "syncs": lambda: check_host_syncs(device),

@@ -5,8 +5,10 @@ detection and fused weight-gradient accumulation, the streams layer's CPU path."
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
+import weakref
 
 import pytest
 import torch
@@ -16,7 +18,7 @@ import torch.nn.functional as F
 import megatron_fsdp as mf
 from megatron_fsdp import collectives, inflight, streams, te_compat
 from megatron_fsdp.allocator import BufferAccounting, StorageResizeAllocator
-from models import Block, make_batches, make_model, loss_fn
+from models import Block, loss_fn, make_batches, make_model, make_optimizer, train_steps
 
 
 # -- timeouts ------------------------------------------------------------------------
@@ -307,6 +309,117 @@ def test_streams_are_a_no_op_layer_on_cpu():
     assert comm.record(streams.StreamKind.REDUCE_SCATTER) is None
     comm.wait(None)
     assert value.tolist() == [2.0, 2.0]
+
+
+class RecordingStreams(streams.CommStreams):
+    """Stands in for the CUDA streams on the CPU: records each entry into a stream and
+    whether work is being issued inside one."""
+
+    def __init__(self, trace: list) -> None:
+        super().__init__(torch.device("cpu"), enabled=False)
+        self.trace, self.inside = trace, False
+
+    @contextlib.contextmanager
+    def on(self, kind, ready=None):
+        # ready=None: the stream first waits for everything the compute stream queued.
+        self.trace.append(("enter", kind, ready is None))
+        self.inside = True
+        try:
+            yield
+        finally:
+            self.inside = False
+
+
+def stream_protocol_worker(rank, world, *, strategy, comm_dtype):
+    """Train with gradient accumulation while recording the reduce-scatter stream's
+    protocol (grad_reduce_pipeline: [Note: the reduce-scatter stream])."""
+    policy = mf.MixedPrecisionPolicy(grad_comm_dtype=comm_dtype)
+    model = mf.fully_shard_model(make_model("net"), fsdp_unit_modules=[Block], zero_dp_strategy=strategy,
+                                 mixed_precision_policy=policy, check_for_nan_in_grad=True)
+    opt = mf.fully_shard_optimizer(make_optimizer("sgd")(model.parameters()))
+    pipe, trace = model.grad_reduce_pipeline, []
+    recorder = pipe.comm_streams = RecordingStreams(trace)
+    originals = collectives.reduce_scatter, collectives.all_reduce, collectives.Handle.wait
+    release, accumulate = pipe.allocator.release, pipe.accumulate
+
+    def issuing(fn):
+        def wrapper(*args, **kwargs):
+            trace.append(("issue", kwargs["label"], recorder.inside))
+            return fn(*args, **kwargs)
+        return wrapper
+
+    def waiting(handle):
+        trace.append(("wait", handle.label, recorder.inside))
+        return originals[2](handle)
+
+    def releasing(tensor):
+        trace.append(("release", recorder.inside))
+        release(tensor)
+
+    def stashing(group, index, param):
+        if param.grad is not None and group.strategy.shards_grads:  # a raw gradient the pipeline keeps
+            weakref.finalize(param.grad, trace.append, ("grad_freed", group.label))
+        return accumulate(group, index, param)
+
+    def copying_in(group, grads, bucket):
+        trace.append(("copy_in", group.label, recorder.inside))
+        return copy_in(group, grads, bucket)
+
+    copy_in, pipe._copy_in = pipe._copy_in, copying_in
+    collectives.reduce_scatter, collectives.all_reduce = issuing(originals[0]), issuing(originals[1])
+    collectives.Handle.wait = waiting
+    pipe.allocator.release, pipe.accumulate = releasing, stashing
+    try:
+        train_steps(model, opt, make_batches("net", 3, batch=4 * world), rank, world, microbatches=2)
+    finally:
+        collectives.reduce_scatter, collectives.all_reduce, collectives.Handle.wait = originals
+    reference = make_model("net")
+    ref_opt = make_optimizer("sgd")(reference.parameters())
+    for x, y in make_batches("net", 3, batch=4 * world):
+        ref_opt.zero_grad()
+        loss_fn("net", reference(x), y).backward()
+        ref_opt.step()
+    full = mf.get_full_state_dict(model)
+    return trace, max((full[k] - v).abs().max().item() for k, v in reference.state_dict().items())
+
+
+@pytest.mark.parametrize("strategy,comm_dtype", [
+    ("optim_grads_params", None), ("optim_grads", None), ("optim", None), ("optim", torch.float64), ("no_shard", None),
+])
+def test_reductions_follow_the_stream_protocol(pool2, strategy, comm_dtype):
+    """Every reduction is issued inside the reduce-scatter stream, entered only after
+    the compute stream's work; waits, releases and the dropping of raw gradients all
+    happen outside it, and a raw gradient is dropped only after its reduction's wait."""
+    for trace, diff in pool2.run(stream_protocol_worker, strategy=strategy, comm_dtype=comm_dtype):
+        assert diff < (1e-5 if comm_dtype is None else 1e-4)
+        issues = [e for e in trace if e[0] == "issue"]
+        assert issues and all(inside for _, _, inside in issues)
+        copies = [e for e in trace if e[0] == "copy_in"]
+        assert all(inside for _, _, inside in copies) and (bool(copies) == strategy.startswith("optim_grads"))
+        enters = [e for e in trace if e[0] == "enter"]
+        assert len(enters) == len(issues) and all(kind is streams.StreamKind.REDUCE_SCATTER and waits
+                                                  for _, kind, waits in enters)
+        assert not any(e[2] for e in trace if e[0] == "wait") and not any(e[1] for e in trace if e[0] == "release")
+        last: dict = {}
+        freed = 0
+        for event in trace:
+            if event[0] in ("issue", "wait"):
+                last.setdefault(event[1], []).append(event[0])
+            elif event[0] == "grad_freed":
+                freed += 1
+                assert last[event[1]][-1] == "wait", (event, last[event[1]][-3:])
+        assert freed > 0 if strategy.startswith("optim_grads") else freed == 0
+
+
+def test_the_side_streams_are_off_unless_switched_on(monkeypatch):
+    monkeypatch.delenv(streams.STREAMS_ENV, raising=False)
+    assert not streams.side_streams_enabled()
+    monkeypatch.setenv(streams.STREAMS_ENV, "on")
+    assert streams.side_streams_enabled()
+    assert not streams.CommStreams(torch.device("cpu")).active  # never on the CPU
+    monkeypatch.setenv(streams.STREAMS_ENV, "maybe")
+    with pytest.raises(ValueError, match="MFSDP_COMM_STREAMS='maybe'"):
+        streams.side_streams_enabled()
 
 
 def test_cuda_needs_a_torch_whose_nccl_work_holds_its_tensors():
