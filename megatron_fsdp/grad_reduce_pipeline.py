@@ -65,11 +65,11 @@ import torch.nn as nn
 
 from . import collectives, te_compat
 from .allocator import StorageResizeAllocator
-from .streams import CommStreams, StreamKind
 from .enums import ShardingStrategy
 from .mixed_precision import MixedPrecisionPolicy
 from .nan_check import NonFiniteGradTracker
 from .param_and_grad_buffer import ParameterGroup
+from .streams import CommStreams, StreamKind
 
 logger = logging.getLogger(__name__)
 
