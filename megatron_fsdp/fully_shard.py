@@ -66,28 +66,13 @@ def fully_shard_model(
     The parameters are upstream megatron-fsdp's, in its order (the last four are
     ours). Upstream options this engine does not implement are accepted at their
     default and raise ``NotImplementedError`` naming them at any other value."""
-    check_unimplemented(locals(), _UNIMPLEMENTED_MODEL_OPTIONS, where="fully_shard_model")
+    args = dict(locals())
+    check_unimplemented(args, _UNIMPLEMENTED_MODEL_OPTIONS, where="fully_shard_model")
     check_policy(mixed_precision_policy)
     strategy, outer = _parse_strategies(zero_dp_strategy, outer_dp_sharding_strategy, dp_outer_dim, hybrid_fsdp_group)
     resolved_device = device_mod.resolve_device(device)
-    if device_mesh is None:
-        dp_shard_dim = dp_shard_dim or DEFAULT_DP_SHARD_DIM
-        tp_dim = tp_dim or DEFAULT_TP_DIM
-        device_mesh = build_default_mesh(device_mod.mesh_device_type(resolved_device), dp_shard_dim, tp_dim)
-    elif dp_shard_dim is None:
-        raise ValueError("dp_shard_dim is required with a device_mesh: name the mesh dimension to shard over")
-
-    ddp_config = _ddp_config(strategy, outer, locals())
-    dist_index = FSDPDistributedIndex(
-        device_mesh,
-        dp_shard_dim=dp_shard_dim,
-        dp_outer_dim=dp_outer_dim,
-        tp_dim=tp_dim,
-        hybrid_fsdp_group=hybrid_fsdp_group,
-        hybrid_fsdp_expt_group=hybrid_fsdp_expt_group,
-        hsdp_outer_dp_shard=outer is ShardingStrategy.OPTIM,
-        expt_device_mesh=expt_device_mesh,
-    )
+    ddp_config = _ddp_config(strategy, outer, args)  # validates before any process group is made
+    dist_index = _distributed_index(args, outer, resolved_device)
     model = MegatronFSDP(
         module,
         dist_index=dist_index,
@@ -105,6 +90,28 @@ def fully_shard_model(
     )
     model.preproc_state_dict_for_dcp_ckpt = preproc_state_dict_for_dcp_ckpt
     return model
+
+
+def _distributed_index(args: dict[str, Any], outer: ShardingStrategy, device: torch.device) -> FSDPDistributedIndex:
+    """The process groups of ``fully_shard_model``'s mesh arguments (``args``: its
+    locals); without a ``device_mesh``, a default one over the whole world."""
+    device_mesh, dp_shard_dim, tp_dim = args["device_mesh"], args["dp_shard_dim"], args["tp_dim"]
+    if device_mesh is None:
+        dp_shard_dim = dp_shard_dim or DEFAULT_DP_SHARD_DIM
+        tp_dim = tp_dim or DEFAULT_TP_DIM
+        device_mesh = build_default_mesh(device_mod.mesh_device_type(device), dp_shard_dim, tp_dim)
+    elif dp_shard_dim is None:
+        raise ValueError("dp_shard_dim is required with a device_mesh: name the mesh dimension to shard over")
+    return FSDPDistributedIndex(
+        device_mesh,
+        dp_shard_dim=dp_shard_dim,
+        dp_outer_dim=args["dp_outer_dim"],
+        tp_dim=tp_dim,
+        hybrid_fsdp_group=args["hybrid_fsdp_group"],
+        hybrid_fsdp_expt_group=args["hybrid_fsdp_expt_group"],
+        hsdp_outer_dp_shard=outer is ShardingStrategy.OPTIM,
+        expt_device_mesh=args["expt_device_mesh"],
+    )
 
 
 def _ddp_config(

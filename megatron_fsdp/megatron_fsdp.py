@@ -18,7 +18,6 @@ from . import streams, te_compat
 from . import state_dict as state_dict_mod
 from .all_gather_pipeline import AllGatherPipeline
 from .config import DistributedDataParallelConfig, check_unimplemented
-from .module_guards import RefusesCopies, guard_module, refuse_moves, release_module
 from .distributed_index import FSDPDistributedIndex, build_default_mesh
 from .enums import BucketStatus, ShardingStrategy
 from .grad_reduce_pipeline import GradReducePipeline, GradReduceOptions
@@ -26,6 +25,7 @@ from .hooks import FSDPUnit, HookRuntime, guard_hooks_under_compile
 from .marks import is_fsdp_no_shard
 from .meta_init import has_meta_tensors, materialize_meta_module
 from .mixed_precision import MixedPrecisionPolicy
+from .module_guards import RefusesCopies, guard_module, refuse_moves, release_module
 from .owners import COMPUTE_OWNERS, OWNERS, WRAPPED
 from .param_and_grad_buffer import ParamAndGradBuffer
 from .param_swap import RegisteredParams
@@ -568,8 +568,7 @@ class MegatronFSDP(RefusesCopies, nn.Module):
             # less than the compare, and needs no host read of a flag.
             self.all_gather_pipeline.wait(recast)
             for group in recast:
-                model, main = group.cast_pair()
-                model.copy_(main)
+                group.recast()
         groups = [g for g in kinds if g not in recast]
         if not groups:
             return
@@ -594,8 +593,7 @@ class MegatronFSDP(RefusesCopies, nn.Module):
             self.all_gather_pipeline.gather_outer(pieces)
         for group in edited:
             if kinds[group] is EditKind.MAIN:
-                model, main = group.cast_pair()
-                model.copy_(main)
+                group.recast()
         stale = [g for g in edited if g.strategy in (ShardingStrategy.OPTIM, ShardingStrategy.OPTIM_GRADS)]
         self.all_gather_pipeline.mark_stale(stale)
         self.all_gather_pipeline.unshard([g for g in stale if g.model_weights.status is BucketStatus.EMPTY], async_op=False)

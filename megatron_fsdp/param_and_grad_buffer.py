@@ -101,6 +101,11 @@ class ParameterGroup:
             return self.model_weights.shard, self.main_weights.shard
         return self.model_weights.data, self.main_weights.data
 
+    def recast(self) -> None:
+        """Cast this rank's model weights again from the main weights (``cast_pair``)."""
+        model, main = self.cast_pair()
+        model.copy_(main)
+
     def optimizer_piece(self, index: int) -> tuple[int, int]:
         """(start in the unsharded bucket, numel) of the part of item ``index`` this
         rank's optimizer owns."""
@@ -542,6 +547,5 @@ class ParamAndGradBuffer:
             if group.hfsdp and group.strategy.shards_optimizer:
                 outer_gathers.append(group)
             elif group.main_weights is not None:
-                model, main = group.cast_pair()
-                model.copy_(main)
+                group.recast()
         return outer_gathers
