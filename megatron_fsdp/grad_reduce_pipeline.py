@@ -45,8 +45,9 @@ group; on the CPU it is the same work at a later moment, with the same arithmeti
 launch enters the reduce-scatter stream, which first waits for everything the
 compute stream has queued (the gradients), and there does the copy-in, the scaling,
 the NaN note and the collective's issue (NCCL's stream waits for this one). The
-compute stream meets the result in ``_finish``: ``Handle.wait()`` makes it wait for
-the collective, hence also for the copy-in, and only then are the temporaries
+compute stream meets the result in ``_finish``: it waits for an event recorded at
+the end of the launch ([Note: the issued event]) and ``Handle.wait()`` makes it wait
+for the collective, and only then are the temporaries
 released and the raw gradients dropped, so the caching allocator never hands their
 bytes to compute work that could run before the copy (no ``record_stream``). Every
 entry into the stream waits for the compute stream, so a block the stream allocated
@@ -125,6 +126,9 @@ class _Pending:
     """The raw gradients copied in on the reduce-scatter stream: kept alive until the
     compute stream has waited for the collective, so that the caching allocator
     cannot hand their memory to compute work that might run before the copy."""
+    issued: Optional[object] = None
+    """CUDA event at the end of the reduce-scatter stream's work for this launch (copy-
+    in, NaN note, issue); ``None`` on CPU or with the side streams off."""
 
 
 class GradReducePipeline:
@@ -191,13 +195,32 @@ class GradReducePipeline:
         else:
             view = self._views.get(param)
             if grad is not None and grad is not view:
-                # autograd made a fresh tensor (no view installed, or someone reset .grad)
-                group.main_grads.item_in_bucket(index).add_(grad.reshape(-1))
+                # autograd made a fresh tensor (the view was taken off at zeroing, none
+                # is installed, or someone reset .grad)
+                target = group.main_grads.item_in_bucket(index)
+                if self._holds_zero(group, state, index):
+                    target.copy_(grad.reshape(-1))  # [Note: first gradient after zeroing]
+                else:
+                    target.add_(grad.reshape(-1))
             param.grad = view
         if grad is not None:
             state.used[index] = 1
         state.ready.add(index)
         return len(state.ready) == len(group.params)
+
+    @staticmethod
+    def _holds_zero(group: ParameterGroup, state: _GroupGradState, index: int) -> bool:
+        """[Note: first gradient after zeroing] ZeRO-0/1: the item's main gradient is
+        still the zero that ``zero`` wrote, so copying the gradient in equals adding it
+        (0 + g == g in every dtype), at one read less, and without the in-place add
+        autograd does into an installed view. ``zero`` takes the views off the compute
+        parameters so that the first backward after it hands us a fresh tensor; later
+        microbatches accumulate into the view again. No gradient arrived and no
+        reduction ran since the zeroing; a ``.grad`` still attached to the distributed
+        parameter (``zero_grad(set_to_none=False)``) may have been written into since,
+        so it takes the add."""
+        return (state.reductions_since_zero == 0 and not state.used[index]
+                and group.dist_params[index].grad is None)
 
     def _copy_in(self, group: ParameterGroup, grads: list, bucket: torch.Tensor) -> None:
         """ZeRO-2/3: write this pass's scaled gradients into the (uninitialised) bucket
@@ -323,18 +346,24 @@ class GradReducePipeline:
                 work = collectives.reduce_scatter(
                     output, source, group.dp.shard_group, op=op, async_op=True, label=group.label, timeout=self.timeout
                 )
+            issued = self.comm_streams.record(StreamKind.REDUCE_SCATTER)
         finalize = self._finalizer(group, output, temps, outer=outer and group.dp.outer_group is not None)
-        pending = _Pending(group, work, finalize, holds_memory=bool(temps), inputs=grads)
+        pending = _Pending(group, work, finalize, holds_memory=bool(temps), inputs=grads, issued=issued)
         if async_op:
             self._pending.append(pending)
             self._retire(keep=self.options.max_inflight)
         else:
             self._finish(pending)
 
-    @staticmethod
-    def _finish(pending: _Pending) -> None:
+    def _finish(self, pending: _Pending) -> None:
         """Wait for one reduction (on CUDA: the compute stream waits, the host does
         not), then accumulate its result and release its temporaries and inputs."""
+        # [Note: the issued event] The collective's wait already orders the compute
+        # stream after the whole launch (NCCL's stream waited for this one), but only
+        # through NCCL's internal stream; waiting for our own event as well makes the
+        # ordering explicit in the streams we own, which is what the CUDA sanitizer
+        # (and any non-NCCL backend) can follow. A GPU event wait costs no host sync.
+        self.comm_streams.wait(pending.issued)
         if pending.work is not None:
             pending.work.wait()
         pending.finalize()
@@ -477,6 +506,22 @@ class GradReducePipeline:
             self._finish(item)
         self._wait_outer()
 
+    def zeroed_with_grads_attached(self, group: ParameterGroup) -> None:
+        """[Note: zeroed gradients that stay attached] After ``zero_grad_buffer()`` (or
+        ``zero_grad(set_to_none=False)``) the distributed parameters' ``.grad`` still
+        show the buffer, now zero, and a user may write into them before backward
+        (a hand-made decay term). PyTorch accumulates backward on top of such a
+        value, so the zero is treated as a reduced value, exactly as after a sync:
+        the next backward rebases it ([Note: reducing twice without zeroing]) and
+        adds its reduction, instead of landing the reduction on the zero (ZeRO-2/3)
+        or reducing the edit once per rank (ZeRO-0/1)."""
+        state = self._state[group]
+        state.reductions_since_zero = max(state.reductions_since_zero, 1)
+        if group.strategy.shards_grads:
+            state.outer_reduced = group.dp.outer_group is not None
+        else:
+            state.holds_reduced = True
+
     def raise_if_nonfinite(self) -> None:
         """check_for_nan: once per step, after every reduction (see nan_check)."""
         self.nonfinite.raise_if_nonfinite(self.groups)
@@ -526,6 +571,9 @@ class GradReducePipeline:
             state = self._state[g]
             if items is None or len(items) == len(g.params):
                 g.main_grads.data.zero_()
+                for param in g.params:  # [Note: first gradient after zeroing]
+                    if param.grad is not None and param.grad is self._views.get(param):
+                        param.grad = None
                 state.used.zero_()
                 state.reductions_since_zero = 0
                 state.holds_reduced = state.outer_reduced = False

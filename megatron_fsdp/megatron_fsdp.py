@@ -415,16 +415,24 @@ class MegatronFSDP(RefusesCopies, nn.Module):
             self.report_nan_in_param_grad()
 
     def zero_grad_buffer(self) -> None:
+        self._zero_buffers(grads_stay_attached=True)
+
+    def _zero_buffers(self, *, grads_stay_attached: bool) -> None:
+        buffer = self.param_and_grad_buffer
         self.grad_reduce_pipeline.zero()
-        self.param_and_grad_buffer.restore_deferred()
-        self.param_and_grad_buffer.zero_grad_copies()
+        buffer.restore_deferred()
+        buffer.zero_grad_copies()
+        if grads_stay_attached:
+            for group in buffer.grad_groups:
+                if buffer.has_attached_grads(group):  # [Note: zeroed gradients that stay attached]
+                    self.grad_reduce_pipeline.zeroed_with_grads_attached(group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``optimizer.zero_grad()``: the distributed parameters' gradients and the
         gradient buffers behind them."""
         self.param_and_grad_buffer.restore_deferred()
         super().zero_grad(set_to_none=set_to_none)
-        self.zero_grad_buffer()
+        self._zero_buffers(grads_stay_attached=not set_to_none)
         if set_to_none:
             self.param_and_grad_buffer.detach_grads()
 

@@ -502,6 +502,12 @@ class ParamAndGradBuffer:
                 del self._attached[dist_param]
         return cleared
 
+    def has_attached_grads(self, group: ParameterGroup) -> bool:
+        """Some distributed parameter of ``group`` still shows its attached gradient."""
+        return any(
+            (attached := self._attached.get(p)) is not None and p.grad is attached for p in group.dist_params
+        )
+
     def detach_grads(self) -> None:
         """Forget attached gradients (the buffers were zeroed explicitly)."""
         self.restore_deferred()

@@ -8,6 +8,8 @@ On one GPU (world size 1 on a real NCCL group), with nothing to download:
   hand-written fp32-master reference;
 * streams: gradient accumulation on a wider model with the reduce-scatter stream
   (run it again under ``TORCH_CUDA_SANITIZER=1`` to check the stream ordering);
+* sanitizer: the streams section under ``TORCH_CUDA_SANITIZER=1`` as built (clean) and
+  with the reduce-scatter stream's wait for the compute stream removed (flagged);
 * checkpoint: ``save_checkpoint``/``load_checkpoint`` round trip into a fresh model;
 * memory: ``torch.cuda.memory_allocated()`` against the package's buffer accounting;
 * host syncs per steady-state step (CUDA sync-debug mode), NaN checks off and on;
@@ -119,10 +121,10 @@ WIDE = dict(num_layers=6, hidden_size=1024, num_attention_heads=8, seq_length=25
 
 
 @contextlib.contextmanager
-def comm_streams_on():
-    """Models built inside use the side streams (streams.py: [Note: streams switch])."""
+def comm_streams(on: bool):
+    """Models built inside use the side streams or not (streams.py: [Note: streams switch])."""
     previous = os.environ.get(streams.STREAMS_ENV)
-    os.environ[streams.STREAMS_ENV] = "1"
+    os.environ[streams.STREAMS_ENV] = "1" if on else "0"
     try:
         yield
     finally:
@@ -153,7 +155,7 @@ def check_streams(device: torch.device) -> dict:
     rows, worst = [], 0.0
     for strategy in STRATEGIES:
         for double_buffer in (False, True):
-            with comm_streams_on():
+            with comm_streams(on=True):
                 model, opt = wrap(build(cfg, device), device, strategy, fsdp_double_buffer=double_buffer,
                                   check_for_nan_in_grad=True)
             assert model.grad_reduce_pipeline.comm_streams.active == (device.type == "cuda")
@@ -165,6 +167,55 @@ def check_streams(device: torch.device) -> dict:
             del model, opt
             collect()
     return dict(rows=rows, worst=worst, tolerance=1e-5, passed=worst <= 1e-5)
+
+
+FAULT_ENV = "MFSDP_GPU_CHECK_FAULT"
+"""``skip_stream_wait``: the reduce-scatter stream no longer waits for the compute
+stream, a race the sanitizer must flag (the sanitizer section's negative control)."""
+
+
+def inject_fault() -> None:
+    fault = os.environ.get(FAULT_ENV)
+    if fault is None:
+        return
+    if fault != "skip_stream_wait":
+        raise ValueError(f"{FAULT_ENV}={fault!r}: the one fault known is skip_stream_wait")
+
+    @contextlib.contextmanager
+    def on_without_wait(self, kind, ready=None):
+        stream = self.stream(kind)
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            yield
+
+    streams.CommStreams.on = on_without_wait
+
+
+def check_sanitizer(device: torch.device, out: Path) -> dict:
+    """The streams section under ``TORCH_CUDA_SANITIZER=1`` in a subprocess, as built
+    (must be clean) and with the compute-stream wait removed (must be flagged: proof
+    that the clean run means something)."""
+    if device.type != "cuda":
+        return dict(passed=None, skipped="the CUDA sanitizer needs CUDA")
+    rows = {}
+    for name, fault in (("as_built", None), ("skip_stream_wait", "skip_stream_wait")):
+        env = dict(os.environ, TORCH_CUDA_SANITIZER="1", MASTER_PORT="29541")
+        env.pop(FAULT_ENV, None)
+        if fault:
+            env[FAULT_ENV] = fault
+        cmd = [sys.executable, __file__, "--sections", "streams", "--out", str(out / f"sanitizer_{name}")]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+        text = proc.stdout + proc.stderr
+        record_path = out / f"sanitizer_{name}" / "gpu_check.json"
+        section = json.loads(record_path.read_text())["sections"].get("streams", {}) if record_path.exists() else {}
+        report = text.find("CSAN detected")
+        flagged = report >= 0
+        (out / f"sanitizer_{name}").mkdir(parents=True, exist_ok=True)
+        (out / f"sanitizer_{name}" / "log.txt").write_text(text)
+        rows[name] = dict(returncode=proc.returncode, streams_passed=section.get("passed"), flagged=flagged,
+                          report=text[report : report + 6000] if flagged else None, tail=text[-1500:])
+    clean = rows["as_built"]["streams_passed"] is True and not rows["as_built"]["flagged"]
+    caught = rows["skip_stream_wait"]["flagged"]
+    return dict(rows=rows, clean=clean, fault_caught=caught, passed=clean and caught)
 
 
 def check_bf16(device: torch.device) -> dict:
@@ -308,8 +359,8 @@ def _build_impl(name: str, cfg: dict, device: torch.device):
         model = fully_shard(module)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     else:
-        strategy, _, variant = name.partition("+")  # "+streams": with the side streams
-        with comm_streams_on() if variant == "streams" else contextlib.nullcontext():
+        strategy, _, variant = name.partition("-")  # "-streams": without the side streams (A/B)
+        with comm_streams(on=variant != "streams"):
             model = mf.fully_shard_model(module, fsdp_unit_modules=[TransformerBlock], zero_dp_strategy=strategy,
                                          device=device)
         opt = mf.fully_shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda"))
@@ -365,7 +416,7 @@ def check_step_time(device: torch.device, rounds: int, steps: int) -> dict:
     cfg = BILLION if device.type == "cuda" else dict(SMALL)
     params = sum(p.numel() for p in build(cfg, "meta").parameters())
     data = batches(steps + 3, 8 if device.type == "cuda" else 2, cfg, device)
-    impls = ("bare", "fsdp2", "no_shard", "optim_grads_params", "optim_grads_params+streams")
+    impls = ("bare", "fsdp2", "no_shard", "optim_grads_params", "optim_grads_params-streams")
     times: dict[str, list[float]] = {k: [] for k in impls}
     for r in range(rounds):
         order = impls[r % len(impls):] + impls[: r % len(impls)]  # rotate: no impl always runs first
@@ -449,13 +500,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="results/gpu_check")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
-    parser.add_argument("--sections", default="parity,streams,bf16,checkpoint,memory,syncs,fake_world,profile,step_time")
+    parser.add_argument("--sections", default="parity,streams,sanitizer,bf16,checkpoint,memory,syncs,fake_world,profile,step_time")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--fake-world", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.fake_world:
         return fake_world_main(args.fake_world, args.device)
+    inject_fault()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     device = init_group(args.device)
@@ -474,6 +526,7 @@ def main() -> None:
         "profile": lambda: check_profile(device, out),
         "step_time": lambda: check_step_time(device, args.rounds, args.steps),
         "step_profile": lambda: check_step_profile(device, out),
+        "sanitizer": lambda: check_sanitizer(device, out),
     }
     for name in args.sections.split(","):
         start = time.perf_counter()

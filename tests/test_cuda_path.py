@@ -329,6 +329,13 @@ class RecordingStreams(streams.CommStreams):
         finally:
             self.inside = False
 
+    def record(self, kind=None):
+        self.trace.append(("record", kind, self.inside))
+        return ("event", kind)
+
+    def wait(self, event):
+        self.trace.append(("event_wait", event, self.inside))
+
 
 def stream_protocol_worker(rank, world, *, strategy, comm_dtype):
     """Train with gradient accumulation while recording the reduce-scatter stream's
@@ -400,6 +407,15 @@ def test_reductions_follow_the_stream_protocol(pool2, strategy, comm_dtype):
         assert len(enters) == len(issues) and all(kind is streams.StreamKind.REDUCE_SCATTER and waits
                                                   for _, kind, waits in enters)
         assert not any(e[2] for e in trace if e[0] == "wait") and not any(e[1] for e in trace if e[0] == "release")
+        # [Note: the issued event]: each launch ends with an event on the reduce-scatter
+        # stream, and the compute stream waits for it just before the collective's wait.
+        records = [e for e in trace if e[0] == "record"]
+        assert len(records) == len(issues) and all(kind is streams.StreamKind.REDUCE_SCATTER for _, kind, _ in records)
+        event_waits = [i for i, e in enumerate(trace) if e[0] == "event_wait"]
+        assert len(event_waits) == len(issues)
+        for i in event_waits:
+            assert trace[i][1] == ("event", streams.StreamKind.REDUCE_SCATTER) and not trace[i][2]
+            assert trace[i + 1][0] == "wait"
         last: dict = {}
         freed = 0
         for event in trace:
@@ -411,8 +427,10 @@ def test_reductions_follow_the_stream_protocol(pool2, strategy, comm_dtype):
         assert freed > 0 if strategy.startswith("optim_grads") else freed == 0
 
 
-def test_the_side_streams_are_off_unless_switched_on(monkeypatch):
+def test_the_side_streams_are_on_unless_switched_off(monkeypatch):
     monkeypatch.delenv(streams.STREAMS_ENV, raising=False)
+    assert streams.side_streams_enabled()
+    monkeypatch.setenv(streams.STREAMS_ENV, "off")
     assert not streams.side_streams_enabled()
     monkeypatch.setenv(streams.STREAMS_ENV, "on")
     assert streams.side_streams_enabled()

@@ -154,6 +154,22 @@ def loop_two_forwards(model, opt, step, x, y, ctx):
     opt.step()
 
 
+def loop_grad_written_before_backward(model, opt, step, x, y, ctx):
+    """Zeroed gradients that stay attached (``zero_grad(set_to_none=False)``; the
+    wrapped model on odd steps: Megatron's ``zero_grad_buffer()``) take a hand-written
+    decay term before backward, and backward accumulates on it, as in plain PyTorch."""
+    if step % 2 and not ctx.reference:
+        model.zero_grad_buffer()
+    else:
+        opt.zero_grad(set_to_none=False)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.add_(p, alpha=0.01)
+    _loss(model, ctx, x, y).backward()
+    opt.step()
+
+
 LOOPS = {
     "plain": loop_plain,
     "skip_some_steps": loop_skip_some_steps,
@@ -165,6 +181,7 @@ LOOPS = {
     "inplace_edit": loop_inplace_edit,
     "freeze_toggle": loop_freeze_toggle,
     "two_forwards": loop_two_forwards,
+    "grad_written_before_backward": loop_grad_written_before_backward,
 }
 
 
@@ -224,11 +241,13 @@ def test_rank_dependent_graph(pool, strategy, overlap):
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize(
-    "loop", ["model_zero_grad", "microbatches_without_no_sync", "retain_graph_twice", "closure", "inplace_edit"]
+    "loop", ["model_zero_grad", "microbatches_without_no_sync", "retain_graph_twice", "closure", "inplace_edit",
+             "grad_written_before_backward"]
 )
 def test_training_patterns(pool2, strategy, loop):
     """Items 4-7: model.zero_grad(), reducing twice without zeroing, step(closure),
-    in-place edits of model.parameters() after a step."""
+    in-place edits of model.parameters() after a step; gradients written into before
+    backward (zero_grad(set_to_none=False))."""
     for diff, _, _ in pool2.run(pattern_worker, strategy=strategy, loop=loop):
         assert diff < TOL, diff
 
@@ -293,3 +312,52 @@ def test_unit_walk_visits_skipped_units_in_order():
     assert walk.catch_up("c") == []  # a unit run twice needs no catching up
     assert walk.remaining() == ["d"]
     assert merge_order([1, 2], 3) == [0, 1, 2] and merge_order([2, 1, 0], 3) == [2, 1, 0]
+
+
+def first_gradient_worker(rank, world, *, strategy):
+    """[Note: first gradient after zeroing] ZeRO-0/1: zero_grad takes the main-gradient
+    views off the compute parameters, the first backward copies autograd's fresh
+    gradients in (no add), and the views are back for the next microbatch."""
+    torch.manual_seed(0)
+    model, opt = mf.fully_shard(SkipNet(), lambda params: _optimizer("sgd", params), fsdp_unit_modules=[Block],
+                                zero_dp_strategy=strategy)
+    pipe = model.grad_reduce_pipeline
+    compute = [p for g in model.param_and_grad_buffer.grad_groups for p in g.params if pipe.grad_view_of(p) is not None]
+    calls = {"copy": 0, "add": 0}
+    real_copy, real_add = torch.Tensor.copy_, torch.Tensor.add_
+    pipe_accumulate = pipe.accumulate
+
+    def counting(group, index, param):
+        torch.Tensor.copy_ = lambda t, *a, **k: (calls.__setitem__("copy", calls["copy"] + 1), real_copy(t, *a, **k))[1]
+        torch.Tensor.add_ = lambda t, *a, **k: (calls.__setitem__("add", calls["add"] + 1), real_add(t, *a, **k))[1]
+        try:
+            return pipe_accumulate(group, index, param)
+        finally:
+            torch.Tensor.copy_, torch.Tensor.add_ = real_copy, real_add
+
+    pipe.accumulate = counting
+    (x, y), = make_batches("net", 1, batch=4 * world)
+    x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+    seen = []
+    for _ in range(3):  # the first backward ever meets the views installed at wrapping
+        opt.zero_grad()  # the buffers are zeroed, and the views taken off, as backward starts
+        with model.no_sync():
+            loss_fn("net", model(x), y).backward()
+        after_first = dict(calls)
+        loss_fn("net", model(x), y).backward()
+        opt.step()
+        views = [p.grad is pipe.grad_view_of(p) for p in compute if p.grad is not None]
+        seen.append((after_first, dict(calls), bool(views) and all(views)))
+        calls.update(copy=0, add=0)
+    return len(compute), seen[1:]
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim"])
+def test_first_gradient_after_zeroing_is_copied(pool2, strategy):
+    for n, seen in pool2.run(first_gradient_worker, strategy=strategy):
+        assert n > 0
+        for after_first, after_second, views_back in seen:
+            # The first microbatch's gradients are copied in, never added; the second
+            # accumulates into the views (autograd's in-place add, not ours).
+            assert after_first["add"] == 0 and after_first["copy"] > 0
+            assert after_second == after_first and views_back

@@ -67,6 +67,42 @@ def test_hybrid_parity(pool4, strategy, outer, optimizer):
         assert diff < TOL
 
 
+def _add_decay_into_grads(model) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.add_(p, alpha=0.01)
+
+
+def attached_zero_worker(rank, world, *, strategy, outer):
+    """[Note: zeroed gradients that stay attached] on a 2x2 mesh: zero_grad_buffer()
+    (odd steps) or zero_grad(set_to_none=False), a decay term written into the zeroed
+    .grad, two microbatches: equal to the same loop in one process."""
+    batches = make_batches("net", 4, batch=4 * world * 2)
+    reference = make_model("net")
+    ref_opt = make_optimizer("sgd")(reference.parameters())
+    model, opt = _hybrid(strategy, outer)
+    for step, (x, y) in enumerate(batches):
+        ref_opt.zero_grad(set_to_none=False)
+        _add_decay_into_grads(reference)
+        loss_fn("net", reference(x), y).backward()
+        ref_opt.step()
+        model.zero_grad_buffer() if step % 2 else opt.zero_grad(set_to_none=False)
+        _add_decay_into_grads(model)
+        backward_microbatches(model, x, y, rank, world, microbatches=2)
+        opt.step()
+    return max_param_diff(mf.get_full_state_dict(model), reference)
+
+
+@pytest.mark.parametrize(
+    "strategy,outer", [("optim_grads_params", "no_shard"), ("optim_grads_params", "optim"), ("optim", "no_shard"),
+                       ("no_shard", "no_shard")], ids=["hsdp-zero3", "hfsdp", "hsdp-zero1", "hsdp-zero0"],
+)
+def test_hybrid_grads_written_after_zeroing(pool4, strategy, outer):
+    for diff in pool4.run(attached_zero_worker, strategy=strategy, outer=outer):
+        assert diff < TOL, diff
+
+
 def test_hfsdp_halves_optimizer_state(pool4):
     hsdp = pool4.run(hybrid_parity_worker, strategy=3, outer="no_shard", optimizer="adamw")
     hfsdp = pool4.run(hybrid_parity_worker, strategy=3, outer="optim", optimizer="adamw")
