@@ -295,8 +295,16 @@ class FsdpParameterGroup:
             name=self.name,
         )
         if accumulate:
-            # zero_grad(set_to_none=False) zeroed the old (smaller) buffer; start from zero.
+            # The sharded .grad stayed bound (zero_grad(set_to_none=False)) and may hold
+            # what the user wrote into it since (a decay term): backward accumulates on
+            # it, as in PyTorch. Carry it over as this rank's contribution to its own
+            # rows, zero elsewhere, so the coming Partial -> Flat reduction gives back
+            # exactly the old value plus the new gradients (AVG divides by the axis size).
             self.main_grad.local_buffer.zero_()
+            own = self.main_grad.local_buffer.narrow(0, old.offset - self.main_grad.offset, old.local_buffer.numel())
+            partial = self._main_grad_placements[axis]
+            scale = self.mesh.size(axis) if partial.reduce_op == "avg" else 1
+            torch.mul(old.local_buffer, scale, out=own)
 
     def finish_reduction(self, pending: "PendingReduction", is_last_microbatch: bool) -> None:
         """Wait for the reduction, accumulate, finalise on the last microbatch, bind ``.grad``."""
