@@ -10,8 +10,9 @@ pickling of its state dict behave as with any optimizer.
 Per ``optimizer.step(...)``::
 
     pre-hook    call the closure (if any) -> finish the gradient sync (auto-sync off)
-                -> swap DTensor parameters for their local pieces
-    step        the optimizer's own math, on local tensors
+                -> swap DTensor parameters for their local pieces (elementwise
+                   optimizers only: [Note: local pieces])
+    step        the optimizer's own math, on local tensors (or on the DTensors)
     post-hook   swap back -> install the updated main weights into the model weights
 
 Gradient zeroing needs no hook: ``optimizer.zero_grad()`` (or ``model.zero_grad()``,
@@ -77,7 +78,11 @@ class OptimizerBinding:
                     model.finish_grad_sync()
         if self._swapped is not None:  # a previous step raised before its post-hook
             self._swapped.restore()
-        self._swapped = _LocalSwap(optimizer)
+        pieces = any(isinstance(p, PieceDTensor) for g in optimizer.param_groups for p in g["params"])
+        if pieces:
+            refuse_whole_tensor_optimizer(optimizer)
+        # Replicated groups' local tensors are whole parameters: any optimizer is exact there.
+        self._swapped = _LocalSwap(optimizer) if not pieces or updates_elementwise(optimizer) else None
         return args, kwargs
 
     def post_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
@@ -236,6 +241,59 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]
 
 
 # -- running the step on local tensors -----------------------------------------------------
+_ELEMENTWISE = (
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.Adadelta,
+    torch.optim.Adamax, torch.optim.ASGD, torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop,
+    torch.optim.Rprop,
+)
+_FUSED_ELEMENTWISE = {"FusedAdam", "FusedSGD"}
+"""apex's and TransformerEngine's fused optimizers (Megatron-LM's defaults), elementwise too."""
+ELEMENTWISE_ATTR = "megatron_fsdp_elementwise"
+
+
+def updates_elementwise(optimizer: torch.optim.Optimizer) -> bool:
+    """[Note: local pieces] Whether ``optimizer`` may run on the plain local pieces of
+    the sharded parameters. An elementwise update (every state and every new value
+    computed entry by entry) gives the same numbers on any piece; anything that looks
+    across a parameter (Adafactor's per-parameter RMS and row/column factors, Muon's
+    matrix orthogonalisation, a user's own norm-scaled update) would get this rank's
+    piece instead, silently. Those run on the DTensors, where full norms and sums are
+    exact across the mesh and every other cross-element op raises with the remedy.
+    Known elementwise: torch's SGD, Adam(W), Adagrad, Adadelta, Adamax, ASGD, NAdam,
+    RAdam, RMSprop and Rprop (exactly these classes: a subclass may change the math),
+    apex's and TransformerEngine's FusedAdam/FusedSGD. Set
+    ``optimizer.megatron_fsdp_elementwise = True`` to vouch for another (faster:
+    a step on DTensors dispatches every tensor through Python)."""
+    vouched = getattr(optimizer, ELEMENTWISE_ATTR, None)
+    if vouched is not None:
+        return bool(vouched)
+    cls = type(optimizer)
+    if cls in _ELEMENTWISE:
+        return True
+    return cls.__name__ in _FUSED_ELEMENTWISE and cls.__module__.startswith(("apex.", "transformer_engine."))
+
+
+_WHOLE_TENSOR = {
+    "Adafactor": "factors its second moment over each matrix's rows and columns and scales each update by "
+                 "the parameter's RMS",
+    "Muon": "orthogonalises each weight matrix's update (Newton-Schulz)",
+}
+"""torch optimizers whose update of a parameter needs all of it."""
+
+
+def refuse_whole_tensor_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """[Note: local pieces] A torch optimizer known to need whole parameters, on
+    sharded ones: refused before it changes anything, naming the choices."""
+    cls = type(optimizer)
+    why = _WHOLE_TENSOR.get(cls.__name__) if cls.__module__.startswith("torch.optim") else None
+    if why is not None:
+        raise NotImplementedError(
+            f"torch.optim.{cls.__name__} {why}, so it needs whole parameters, but under this zero_dp_strategy "
+            "each rank's optimizer holds a flat piece of each parameter. Use zero_dp_strategy='no_shard' "
+            "(whole parameters on every rank) or an elementwise optimizer (AdamW, SGD, ...)"
+        )
+
+
 class _LocalSwap:
     """Run the optimizer's own step on the plain local pieces of DTensor parameters.
 

@@ -361,3 +361,114 @@ def test_first_gradient_after_zeroing_is_copied(pool2, strategy):
             # accumulates into the views (autograd's in-place add, not ours).
             assert after_first["add"] == 0 and after_first["copy"] > 0
             assert after_second == after_first and views_back
+
+
+# -- optimizers: [Note: local pieces] (optimizer.py) ---------------------------------------
+class NormScaledSGD(torch.optim.Optimizer):
+    """A user's optimizer that looks across each parameter: p -= lr * g / ||g||."""
+
+    def __init__(self, params, lr=0.05):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.sub_(group["lr"] * p.grad / (p.grad.norm() + 1e-6))
+
+
+class Lion(torch.optim.Optimizer):
+    """A user's elementwise optimizer (sign of an interpolated momentum)."""
+
+    def __init__(self, params, lr=0.01, betas=(0.9, 0.99)):
+        super().__init__(params, dict(lr=lr, betas=betas))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                m = self.state[p].setdefault("m", torch.zeros_like(p))
+                p.sub_(group["lr"] * (beta1 * m + (1 - beta1) * p.grad).sign())
+                m.mul_(beta2).add_(p.grad, alpha=1 - beta2)
+
+
+OPTIMIZERS = {
+    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=0.05),
+    "rmsprop_centered": lambda ps: torch.optim.RMSprop(ps, lr=0.01, centered=True, momentum=0.5),
+    "nadam": lambda ps: torch.optim.NAdam(ps, lr=0.01, eps=1e-4),
+    "radam": lambda ps: torch.optim.RAdam(ps, lr=0.01, eps=1e-4),
+    "adamax": lambda ps: torch.optim.Adamax(ps, lr=0.01, eps=1e-4),
+    "rprop": lambda ps: torch.optim.Rprop(ps, lr=0.01),
+    "asgd": lambda ps: torch.optim.ASGD(ps, lr=0.01),
+    "adadelta": lambda ps: torch.optim.Adadelta(ps, lr=0.5),
+    "adam_amsgrad": lambda ps: torch.optim.Adam(ps, lr=0.01, amsgrad=True, eps=1e-4),
+    "norm_scaled_sgd": NormScaledSGD,
+    "lion": Lion,
+    "adafactor": lambda ps: torch.optim.Adafactor(ps, lr=0.01),
+    "muon": lambda ps: torch.optim.Muon([p for p in ps if p.ndim == 2], lr=0.02),
+}
+
+
+def optimizer_worker(rank, world, *, name, strategy):
+    torch.manual_seed(0)
+    base = SkipNet()
+    batches = make_batches("net", 3, batch=4 * world)
+    reference = copy.deepcopy(base)
+    ref_opt = OPTIMIZERS[name](reference.parameters())
+    for step, (x, y) in enumerate(batches):
+        loop_plain(reference, ref_opt, step, x, y, Ctx(rank, world, reference=True))
+    model, opt = mf.fully_shard(base, OPTIMIZERS[name], fsdp_unit_modules=[Block], zero_dp_strategy=strategy)
+    before = mf.get_full_state_dict(model)
+    try:
+        for step, (x, y) in enumerate(batches):
+            loop_plain(model, opt, step, x, y, Ctx(rank, world, reference=False))
+    except NotImplementedError as exc:
+        unchanged = all(torch.equal(before[k], v) for k, v in mf.get_full_state_dict(model).items())
+        return str(exc), unchanged
+    model.finish_param_sync()
+    full = mf.get_full_state_dict(model)
+    return max((full[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters()), None
+
+
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
+@pytest.mark.parametrize("name", [n for n in OPTIMIZERS if n not in ("adafactor", "muon")])
+def test_optimizers_equal_single_process(pool2, name, strategy):
+    """torch's elementwise optimizers run on the local pieces; the user's own run on
+    the DTensors, so one that looks across a parameter (a norm) is exact too (on local
+    pieces it got this rank's norm, silently, before 2026-11-25)."""
+    for diff, _ in pool2.run(optimizer_worker, name=name, strategy=strategy):
+        assert diff < TOL, diff
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("name", ["adafactor", "muon"])
+def test_whole_tensor_optimizers(pool2, name, strategy):
+    """Adafactor and Muon need whole parameters: exact under no_shard, refused with the
+    choices before any weight changes under the sharded strategies."""
+    for result, unchanged in pool2.run(optimizer_worker, name=name, strategy=strategy):
+        if strategy == "no_shard":
+            assert result < TOL, result
+        else:
+            assert "needs whole parameters" in result and "no_shard" in result and unchanged
+
+
+def test_which_optimizers_run_on_local_pieces():
+    from megatron_fsdp.optimizer import updates_elementwise
+
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    assert updates_elementwise(torch.optim.AdamW(params)) and updates_elementwise(torch.optim.SGD(params, lr=1))
+    assert not updates_elementwise(torch.optim.Adafactor(params)) and not updates_elementwise(Lion(params))
+
+    class MyAdamW(torch.optim.AdamW):  # a subclass may change the math
+        pass
+
+    assert not updates_elementwise(MyAdamW(params))
+    vouched = Lion(params)
+    vouched.megatron_fsdp_elementwise = True
+    assert updates_elementwise(vouched)
+    FusedAdam = type("FusedAdam", (torch.optim.Optimizer,), {"__module__": "apex.optimizers.fused_adam"})
+    assert updates_elementwise(FusedAdam(params, {}))
