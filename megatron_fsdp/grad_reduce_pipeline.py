@@ -187,6 +187,11 @@ class GradReducePipeline:
     def accumulate(self, group: ParameterGroup, index: int, param: nn.Parameter) -> bool:
         """Take ``param.grad`` into the group's buffer; True once the group is complete."""
         grad = te_compat.take_grad(param, param.grad)  # TE's fused main_grad, if it wrote one
+        if grad is not None and grad.layout is not torch.strided:
+            # nn.Embedding(sparse=True): the flat buffers hold dense gradients, so the
+            # rows it did not touch become zeros, which SGD and Adagrad (torch's
+            # optimizers that take sparse gradients) update exactly as they would skip them.
+            grad = grad.to_dense()
         state = self._state[group]
         if group.strategy.shards_grads:
             param.grad = None

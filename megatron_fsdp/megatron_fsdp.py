@@ -25,6 +25,7 @@ from .hooks import FSDPUnit, HookRuntime, guard_hooks_under_compile
 from .marks import is_fsdp_no_shard
 from .meta_init import has_meta_tensors, materialize_meta_module
 from .mixed_precision import MixedPrecisionPolicy
+from .module_checks import check_module
 from .module_guards import RefusesCopies, guard_module, refuse_moves, release_module
 from .owners import COMPUTE_OWNERS, OWNERS, WRAPPED
 from .param_and_grad_buffer import ParamAndGradBuffer
@@ -181,7 +182,7 @@ class MegatronFSDP(RefusesCopies, nn.Module):
         self.report_nan_in_param_grads = report_nan_in_param_grad
         self.last_nan_report: list[str] = []
         self._check_supported()
-        _check_module(module, self.device, allow_meta=init_model_with_meta_device)
+        check_module(module, self.device, allow_meta=init_model_with_meta_device, wrapper_types=(MegatronFSDP,))
         te_compat.check_supported(module)  # before any buffer: FP8 parameters cannot be repointed
         streams.check_torch_for_device(self.device)
         self.module = module
@@ -750,49 +751,3 @@ class MegatronFSDP(RefusesCopies, nn.Module):
     @property
     def buffer_accounting(self):
         return self.param_and_grad_buffer.accounting
-
-
-def _is_wrapper(module: nn.Module) -> bool:
-    if isinstance(module, (MegatronFSDP, torch.nn.parallel.DistributedDataParallel)):
-        return True
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # older torch
-        return False
-    return isinstance(module, FSDPModule)
-
-
-def _check_module(module: nn.Module, device: torch.device, *, allow_meta: bool = False) -> None:
-    if not isinstance(module, nn.Module):
-        raise TypeError(
-            f"megatron_fsdp wraps a torch.nn.Module, got {type(module).__name__} ({module!r:.80}); "
-            "pass the model itself (e.g. fully_shard_model(model, ...))"
-        )
-    for name, sub in module.named_modules():
-        if _is_wrapper(sub):
-            where = f"its submodule {name!r}" if name else "it"
-            raise ValueError(
-                f"cannot wrap {type(module).__name__}: {where} is already a data-parallel wrapper "
-                f"({type(sub).__name__}); wrap the plain model once, with one of megatron_fsdp, FSDP or DDP"
-            )
-    wrapped = [p for p in module.parameters() if p in COMPUTE_OWNERS or p in OWNERS] or ([module] if module in WRAPPED else [])
-    if wrapped:
-        raise ValueError(
-            f"{type(module).__name__} (or a submodule of it) is already wrapped by megatron_fsdp: its parameters "
-            "live in that wrapper's buffers, and a second wrapper would train a stale copy. Wrap the plain model "
-            "once and keep using the first wrapper (fully_shard_model returns it)"
-        )
-    params = list(module.named_parameters())
-    if not params:
-        raise ValueError(f"{type(module).__name__} has no parameters; there is nothing for megatron_fsdp to shard")
-    for name, p in params:
-        if p.device != device and not (allow_meta and p.device.type == "meta"):
-            raise ValueError(
-                f"parameter {name!r} is on {p.device} but megatron_fsdp was given device={device}; "
-                f"move the model first (module.to({str(device)!r})) or pass device={str(p.device)!r}"
-            )
-        if isinstance(p, torch.distributed.tensor.DTensor):
-            raise ValueError(
-                f"parameter {name!r} is already a DTensor; the model seems to be sharded already "
-                "(megatron_fsdp cannot wrap a module inside another FSDP wrapper)"
-            )

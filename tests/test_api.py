@@ -216,6 +216,8 @@ def bad_input_worker(rank, world, *, case):
             mf.fully_shard_model(make_model("net"), fsdp_unit_modules=[nn.Conv2d])
         elif case == "optimizer":
             mf.fully_shard_optimizer(torch.optim.SGD(make_model("net").parameters(), lr=0.1))
+        elif case == "lazy":
+            mf.fully_shard_model(nn.Sequential(nn.LazyLinear(4), nn.Linear(4, 1)))
     except (ValueError, NotImplementedError) as exc:
         return f"{type(exc).__name__}: {exc}"
     return "no error"
@@ -233,6 +235,7 @@ def bad_input_worker(rank, world, *, case):
         ("outer_value", r"outer_dp_sharding_strategy='optim_grads'.*no_shard.*optim"),
         ("unit_absent", r"Conv2d"),
         ("optimizer", r"does not belong to a MegatronFSDP model"),
+        ("lazy", r"'0\.weight' is not initialised yet.*forward on a dummy batch before wrapping"),
     ],
 )
 def test_bad_input(pool2, case, pattern):
