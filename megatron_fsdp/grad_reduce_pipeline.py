@@ -99,7 +99,10 @@ class _GroupGradState:
     grads: list = dataclasses.field(default_factory=list)
     """ZeRO-2/3: this pass's raw gradients as (item index, flat gradient), in arrival
     order, until the group's reduction copies them into its bucket ([Note: copy-in at
-    launch])."""
+    launch]); ZeRO-0/1: the first gradients after zeroing ([Note: first gradient after
+    zeroing])."""
+    stashed: set = dataclasses.field(default_factory=set)
+    """ZeRO-0/1: items with a gradient in ``grads`` (their compute ``.grad`` is None)."""
     requested: bool = False
     """The group may be reduced in this pass (complete, or the pass ended)."""
     launched: bool = False
@@ -202,16 +205,35 @@ class GradReducePipeline:
             if grad is not None and grad is not view:
                 # autograd made a fresh tensor (the view was taken off at zeroing, none
                 # is installed, or someone reset .grad)
-                target = group.main_grads.item_in_bucket(index)
-                if self._holds_zero(group, state, index):
-                    target.copy_(grad.reshape(-1))  # [Note: first gradient after zeroing]
-                else:
-                    target.add_(grad.reshape(-1))
+                if index in state.stashed or self._holds_zero(group, state, index):
+                    state.grads.append((index, grad.reshape(-1)))  # [Note: first gradient after zeroing]
+                    state.stashed.add(index)
+                    param.grad = None  # a second gradient in this pass comes fresh, to the stash too
+                    return self._arrived(state, index, grad)
+                group.main_grads.item_in_bucket(index).add_(grad.reshape(-1))
             param.grad = view
+        return self._arrived(state, index, grad)
+
+    def _arrived(self, state: _GroupGradState, index: int, grad: Optional[torch.Tensor]) -> bool:
         if grad is not None:
             state.used[index] = 1
         state.ready.add(index)
-        return len(state.ready) == len(group.params)
+        return len(state.ready) == len(state.used)
+
+    def _flush_stash(self, group: ParameterGroup, grads: list) -> None:
+        """[Note: first gradient after zeroing] ZeRO-0/1: write the stashed first
+        gradients into their (zero) items, the first of an item copied, any later
+        one of the same pass added, and give the compute parameters their views back."""
+        state = self._state[group]
+        written: set[int] = set()
+        for index, flat in grads:
+            target = group.main_grads.item_in_bucket(index)
+            target.add_(flat) if index in written else target.copy_(flat)
+            written.add(index)
+        for index in state.stashed:
+            param = group.params[index]
+            param.grad = self._views.get(param)
+        state.stashed.clear()
 
     @staticmethod
     def _holds_zero(group: ParameterGroup, state: _GroupGradState, index: int) -> bool:
@@ -219,8 +241,11 @@ class GradReducePipeline:
         still the zero that ``zero`` wrote, so copying the gradient in equals adding it
         (0 + g == g in every dtype), at one read less, and without the in-place add
         autograd does into an installed view. ``zero`` takes the views off the compute
-        parameters so that the first backward after it hands us a fresh tensor; later
-        microbatches accumulate into the view again. No gradient arrived and no
+        parameters so that the first backward after it hands us a fresh tensor. Such
+        gradients are stashed like ZeRO-2/3's and copied in when the group's reduction
+        is launched (on CUDA on the reduce-scatter stream, overlapping backward), or at
+        the end of a backward that does not reduce; the views go back then, and later
+        microbatches accumulate into them. Holds when no gradient arrived and no
         reduction ran since the zeroing; a ``.grad`` still attached to the distributed
         parameter (``zero_grad(set_to_none=False)``) may have been written into since,
         so it takes the add."""
@@ -335,8 +360,10 @@ class GradReducePipeline:
         with self.comm_streams.on(StreamKind.REDUCE_SCATTER):
             if strategy.shards_grads:
                 self._copy_in(group, grads, source)  # scaled on the way in
-            elif source is not main.data:
-                source.copy_(main.data)
+            else:
+                self._flush_stash(group, grads)
+                if source is not main.data:
+                    source.copy_(main.data)
             if self.options.check_for_nan:
                 self.nonfinite.note(group, source)
             if scaling != 1.0 and not strategy.shards_grads:
@@ -538,7 +565,12 @@ class GradReducePipeline:
             self._state[group].unreduced_backward = True
 
     def end_backward(self) -> None:
-        """Forget which gradients arrived; the next backward pass starts afresh."""
+        """Write the stashes of groups not reduced in this pass; forget which gradients
+        arrived: the next backward pass starts afresh."""
+        for group, state in self._state.items():
+            if state.stashed:
+                grads, state.grads = state.grads, []
+                self._flush_stash(group, grads)
         for state in self._state.values():
             state.ready.clear()
             state.launched = False
@@ -574,6 +606,9 @@ class GradReducePipeline:
         self._outer_reduced = False
         for g in self.groups if group is None else [group]:
             state = self._state[g]
+            if state.stashed:  # a zeroing inside backward: what arrived so far is zeroed too
+                grads, state.grads = state.grads, []
+                self._flush_stash(g, grads)
             if items is None or len(items) == len(g.params):
                 g.main_grads.data.zero_()
                 for param in g.params:  # [Note: first gradient after zeroing]

@@ -9,6 +9,7 @@ compares every parameter.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -315,52 +316,65 @@ def test_unit_walk_visits_skipped_units_in_order():
 
 
 def first_gradient_worker(rank, world, *, strategy):
-    """[Note: first gradient after zeroing] ZeRO-0/1: zero_grad takes the main-gradient
-    views off the compute parameters, the first backward copies autograd's fresh
-    gradients in (no add), and the views are back for the next microbatch."""
+    """[Note: first gradient after zeroing] ZeRO-0/1: zeroing takes the main-gradient
+    views off the compute parameters; the first gradients are stashed, never added,
+    and copied in at the end of a no_sync backward or at the reduction's launch; the
+    views are back for the next microbatch, which autograd accumulates into."""
     torch.manual_seed(0)
     model, opt = mf.fully_shard(SkipNet(), lambda params: _optimizer("sgd", params), fsdp_unit_modules=[Block],
                                 zero_dp_strategy=strategy)
     pipe = model.grad_reduce_pipeline
     compute = [p for g in model.param_and_grad_buffer.grad_groups for p in g.params if pipe.grad_view_of(p) is not None]
-    calls = {"copy": 0, "add": 0}
-    real_copy, real_add = torch.Tensor.copy_, torch.Tensor.add_
-    pipe_accumulate = pipe.accumulate
+    events = []
+    real_add, accumulate, flush, end_backward, launch = (
+        torch.Tensor.add_, pipe.accumulate, pipe._flush_stash, pipe.end_backward, pipe._launch)
+    where = ["backward"]
 
     def counting(group, index, param):
-        torch.Tensor.copy_ = lambda t, *a, **k: (calls.__setitem__("copy", calls["copy"] + 1), real_copy(t, *a, **k))[1]
-        torch.Tensor.add_ = lambda t, *a, **k: (calls.__setitem__("add", calls["add"] + 1), real_add(t, *a, **k))[1]
+        torch.Tensor.add_ = lambda t, *a, **k: (events.append("add"), real_add(t, *a, **k))[1]
         try:
-            return pipe_accumulate(group, index, param)
+            return accumulate(group, index, param)
         finally:
-            torch.Tensor.copy_, torch.Tensor.add_ = real_copy, real_add
+            torch.Tensor.add_ = real_add
 
-    pipe.accumulate = counting
+    def flushing(group, grads):
+        events.extend([("flush", where[0])] * len(grads))
+        return flush(group, grads)
+
+    def inside(name, fn):
+        def wrapper(*args, **kwargs):
+            where[0] = name
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                where[0] = "backward"
+        return wrapper
+
+    pipe.accumulate, pipe._flush_stash = counting, flushing
+    pipe.end_backward, pipe._launch = inside("end_backward", end_backward), inside("launch", launch)
     (x, y), = make_batches("net", 1, batch=4 * world)
     x, y = x.chunk(world)[rank], y.chunk(world)[rank]
     seen = []
-    for _ in range(3):  # the first backward ever meets the views installed at wrapping
+    for step in range(3):
         opt.zero_grad()  # the buffers are zeroed, and the views taken off, as backward starts
-        with model.no_sync():
+        with model.no_sync() if step == 1 else contextlib.nullcontext():  # step 2: one synced microbatch
             loss_fn("net", model(x), y).backward()
-        after_first = dict(calls)
-        loss_fn("net", model(x), y).backward()
-        opt.step()
+        first, events[:] = list(events), []
+        if step == 1:
+            loss_fn("net", model(x), y).backward()
+        second, events[:] = list(events), []
         views = [p.grad is pipe.grad_view_of(p) for p in compute if p.grad is not None]
-        seen.append((after_first, dict(calls), bool(views) and all(views)))
-        calls.update(copy=0, add=0)
-    return len(compute), seen[1:]
+        seen.append((first, second, bool(views) and all(views)))
+        opt.step()
+    return seen[1:]  # the first backward ever meets the views installed at wrapping
 
 
 @pytest.mark.parametrize("strategy", ["no_shard", "optim"])
-def test_first_gradient_after_zeroing_is_copied(pool2, strategy):
-    for n, seen in pool2.run(first_gradient_worker, strategy=strategy):
-        assert n > 0
-        for after_first, after_second, views_back in seen:
-            # The first microbatch's gradients are copied in, never added; the second
-            # accumulates into the views (autograd's in-place add, not ours).
-            assert after_first["add"] == 0 and after_first["copy"] > 0
-            assert after_second == after_first and views_back
+def test_first_gradient_after_zeroing_is_stashed_and_copied(pool2, strategy):
+    for seen in pool2.run(first_gradient_worker, strategy=strategy):
+        for (first, second, views_back), flushed_in in zip(seen, ["end_backward", "launch"]):
+            assert first and set(first) == {("flush", flushed_in)}, first  # no add of ours
+            assert second == [] and views_back
 
 
 # -- optimizers: [Note: local pieces] (optimizer.py) ---------------------------------------
