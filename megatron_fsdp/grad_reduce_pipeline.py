@@ -220,6 +220,12 @@ class GradReducePipeline:
         state.ready.add(index)
         return len(state.ready) == len(state.used)
 
+    def _flush_group(self, group: ParameterGroup) -> None:
+        state = self._state[group]
+        if state.stashed:
+            grads, state.grads = state.grads, []
+            self._flush_stash(group, grads)
+
     def _flush_stash(self, group: ParameterGroup, grads: list) -> None:
         """[Note: first gradient after zeroing] ZeRO-0/1: write the stashed first
         gradients into their (zero) items, the first of an item copied, any later
@@ -243,9 +249,11 @@ class GradReducePipeline:
         autograd does into an installed view. ``zero`` takes the views off the compute
         parameters so that the first backward after it hands us a fresh tensor. Such
         gradients are stashed like ZeRO-2/3's and copied in when the group's reduction
-        is launched (on CUDA on the reduce-scatter stream, overlapping backward), or at
-        the end of a backward that does not reduce; the views go back then, and later
-        microbatches accumulate into them. Holds when no gradient arrived and no
+        is launched (on CUDA on the reduce-scatter stream, overlapping backward), or,
+        in a backward that does not reduce (``no_sync``), as soon as the group is
+        complete (at the end of backward for a group some of whose parameters got no
+        gradient), so the stash never holds more than a group's gradients beyond what
+        ZeRO-2/3 hold; the views go back then, and later microbatches accumulate into them. Holds when no gradient arrived and no
         reduction ran since the zeroing; a ``.grad`` still attached to the distributed
         parameter (``zero_grad(set_to_none=False)``) may have been written into since,
         so it takes the add."""
@@ -283,6 +291,8 @@ class GradReducePipeline:
         it is issued as soon as every group before it in the fixed order was.
         ``sync``: ZeRO-0/1 groups reduce in this pass (the same on every rank)."""
         self._state[group].requested = True
+        if not self._takes_part(group, sync):
+            self._flush_group(group)  # not reduced in this pass: bound the stash to a group
         self._drain(sync)
 
     def _takes_part(self, group: ParameterGroup, sync: bool) -> bool:
@@ -303,6 +313,8 @@ class GradReducePipeline:
         for group in self.groups:
             if self._takes_part(group, sync):
                 self._state[group].requested = True
+        if not self._takes_part(group, sync):
+            self._flush_group(group)  # not reduced in this pass: bound the stash to a group
         self._drain(sync)
 
     def start_all(self) -> None:
@@ -567,10 +579,8 @@ class GradReducePipeline:
     def end_backward(self) -> None:
         """Write the stashes of groups not reduced in this pass; forget which gradients
         arrived: the next backward pass starts afresh."""
-        for group, state in self._state.items():
-            if state.stashed:
-                grads, state.grads = state.grads, []
-                self._flush_stash(group, grads)
+        for group in self._state:
+            self._flush_group(group)
         for state in self._state.values():
             state.ready.clear()
             state.launched = False
@@ -606,9 +616,7 @@ class GradReducePipeline:
         self._outer_reduced = False
         for g in self.groups if group is None else [group]:
             state = self._state[g]
-            if state.stashed:  # a zeroing inside backward: what arrived so far is zeroed too
-                grads, state.grads = state.grads, []
-                self._flush_stash(g, grads)
+            self._flush_group(g)  # a zeroing inside backward: what arrived so far is zeroed too
             if items is None or len(items) == len(g.params):
                 g.main_grads.data.zero_()
                 for param in g.params:  # [Note: first gradient after zeroing]

@@ -318,7 +318,7 @@ def test_unit_walk_visits_skipped_units_in_order():
 def first_gradient_worker(rank, world, *, strategy):
     """[Note: first gradient after zeroing] ZeRO-0/1: zeroing takes the main-gradient
     views off the compute parameters; the first gradients are stashed, never added,
-    and copied in at the end of a no_sync backward or at the reduction's launch; the
+    and copied in as a group completes in a no_sync backward, or at its reduction's launch; the
     views are back for the next microbatch, which autograd accumulates into."""
     torch.manual_seed(0)
     model, opt = mf.fully_shard(SkipNet(), lambda params: _optimizer("sgd", params), fsdp_unit_modules=[Block],
@@ -372,7 +372,9 @@ def first_gradient_worker(rank, world, *, strategy):
 @pytest.mark.parametrize("strategy", ["no_shard", "optim"])
 def test_first_gradient_after_zeroing_is_stashed_and_copied(pool2, strategy):
     for seen in pool2.run(first_gradient_worker, strategy=strategy):
-        for (first, second, views_back), flushed_in in zip(seen, ["end_backward", "launch"]):
+        # no_sync: each group's stash is written as the group completes (the unused
+        # head has none); a synced backward writes it at the group's launch.
+        for (first, second, views_back), flushed_in in zip(seen, ["backward", "launch"]):
             assert first and set(first) == {("flush", flushed_in)}, first  # no add of ours
             assert second == [] and views_back
 
