@@ -687,10 +687,15 @@ class MegatronFSDP(RefusesCopies, nn.Module):
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[tuple[str, nn.Parameter]]:
         """The distributed parameters, named as in the wrapped module (no ``module.`` prefix).
-        ``recurse=False`` yields none: the wrapper registers no parameter of its own
-        (torch.distributed.checkpoint.state_dict walks modules that way)."""
-        if not recurse:
-            return
+
+        [Note: two names under DCP's state_dict API] ``recurse=False`` yields them
+        too. torch.distributed.checkpoint.state_dict names the optimizer's state by
+        ``named_parameters()`` (no prefix) but finds parameters by walking modules
+        (``module.<name>``, as ``model.state_dict()`` keys them); the walk asks each
+        module for ``named_parameters(recurse=False)``, so it now finds every
+        parameter under both names and pairs the optimizer state saved under one
+        with the parameter it walked to under the other (``set_optimizer_state_dict``
+        looked for ``module.<name>`` and refused the checkpoint)."""
         for name, param in self.param_and_grad_buffer.named_dist_params():
             yield prefix + name, param
 

@@ -29,6 +29,7 @@ call ``state_dict()`` / ``load_state_dict()`` with the same parameters and keys.
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 import torch
@@ -120,12 +121,16 @@ def flatten_optimizer_state_dict(optimizer: torch.optim.Optimizer, state_dict: d
     """``Optimizer.load_state_dict`` pre-hook: every parameter-shaped state tensor
     becomes what the optimizer steps (this rank's flat piece as a DTensor shaped
     like the parameter). The caller's dicts are not modified."""
-    params = indexed_params(optimizer)
+    # The saved keys name parameters by position, as Optimizer.load_state_dict pairs
+    # them: integer ids from state_dict(), or FQNs from torch.distributed.checkpoint's
+    # set_optimizer_state_dict (which leaves them for the positions to resolve).
+    saved = itertools.chain.from_iterable(g["params"] for g in state_dict.get("param_groups", []))
+    params = dict(zip(saved, itertools.chain.from_iterable(g["params"] for g in optimizer.param_groups)))
     state_dict = dict(state_dict)
     states = {}
     for index in sorted(state_dict.get("state", {}), key=str):  # one order on every rank
         param_state = state_dict["state"][index]
-        param = params.get(index) if isinstance(index, int) else None
+        param = params.get(index)
         model = owner_of(param) if param is not None else None
         if model is None or not isinstance(param_state, dict):
             states[index] = param_state  # torch's own load reports what does not fit

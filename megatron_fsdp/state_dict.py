@@ -186,7 +186,9 @@ def _own_keys(model: "MegatronFSDP", state_dict: Mapping[str, Any]) -> tuple[dic
     canonical = list(dict.fromkeys(aliases.values())) + [n for n, _ in _persistent_buffers(model.module)]
     known = set(aliases) | set(canonical)
     given: dict[str, str] = {}
-    unexpected = []
+    named: dict[str, str] = {}  # name -> the key that gave it
+    unexpected, twice = [], []
+    own = _own_objects(model)
     for key in state_dict:
         name = key
         if name not in known and name.startswith(MODULE_PREFIX) and name[len(MODULE_PREFIX):] in known:
@@ -194,11 +196,38 @@ def _own_keys(model: "MegatronFSDP", state_dict: Mapping[str, Any]) -> tuple[dic
         if name not in known:
             unexpected.append(key)
             continue
+        if name in named:  # both `module.<name>` and `<name>`
+            # [Note: a key given twice] torch's set_model_state_dict(full_state_dict=True)
+            # passes the parameters it found by walking the model next to the loaded
+            # ones; a value that is the model's own tensor carries nothing to load.
+            first = named[name]
+            if id(state_dict[key]) in own or state_dict[key] is state_dict[first]:
+                continue
+            if id(state_dict[first]) not in own:
+                twice.append(f"{first!r} and {key!r}")
+                continue
+            replaced = first  # the first was the model's own tensor: this key replaces it
+        else:
+            replaced = None
+        named[name] = key
         target = aliases.get(name, name)
-        if target not in given or name == target:  # the canonical key wins over an alias
-            given[target] = key
+        if target not in given or name == target or given[target] == replaced:
+            given[target] = key  # the canonical key wins over an alias
+    if twice:
+        raise StateDictMismatchError(
+            "cannot load the state dict into the model (nothing was loaded): these keys name the same tensor "
+            f"with different values: {'; '.join(twice)}; keep one form (module.<name> or <name>)"
+        )
     missing = [MODULE_PREFIX + n for n in canonical if n not in given]
     return given, missing, unexpected
+
+
+def _own_objects(model: "MegatronFSDP") -> set[int]:
+    """ids of the tensors the model itself holds (registered parameters and buffers,
+    distributed parameters): values that load nothing."""
+    tensors = [p for _, p in model.module.named_parameters(remove_duplicate=False)] + list(model.module.buffers())
+    tensors += [p for g in model.param_and_grad_buffer.groups for p in g.dist_params]
+    return {id(t) for t in tensors}
 
 
 @torch.no_grad()

@@ -10,7 +10,13 @@ import io
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import megatron_fsdp as mf
@@ -130,6 +136,26 @@ def test_load_accepts_both_key_forms(pool2, strategy):
         assert diffs == [0.0, 0.0, 0.0]
 
 
+def key_twice_worker(rank, world):
+    model, _ = _trained("net", "optim_grads_params", rank, world, steps=0)
+    reference = _reference("net").state_dict()
+    both = {**{"module." + k: v for k, v in reference.items()}, **{k: v + 1 for k, v in reference.items()}}
+    before = mf.get_full_state_dict(model)
+    try:
+        model.load_state_dict(both)
+    except mf.state_dict.StateDictMismatchError as exc:
+        unchanged = all(torch.equal(before[k], v) for k, v in mf.get_full_state_dict(model).items())
+        return str(exc), unchanged
+    return "loaded", False
+
+
+def test_a_key_given_twice_with_different_values_is_refused(pool2):
+    """``module.<name>`` and ``<name>`` with different values: which to load is
+    ambiguous, so nothing is loaded (the unprefixed one used to win silently)."""
+    for message, unchanged in pool2.run(key_twice_worker):
+        assert "name the same tensor with different values" in message and unchanged, message
+
+
 def dcp_save_worker(rank, world, *, strategy, path):
     model, _ = _trained("net", strategy, rank, world)
     dcp.save({"model": model.state_dict()}, checkpoint_id=path)
@@ -167,3 +193,51 @@ def replicate_params_worker(rank, world):
 def test_no_shard_parameters_are_replicate_dtensors(pool2):
     for kinds in pool2.run(replicate_params_worker):
         assert kinds == [("Replicate",), ("grad", "Replicate")]
+
+
+# -- torch.distributed.checkpoint.state_dict: the FSDP2/DDP recipe ------------------------------
+def _continue(model, opt, rank, world, batches):
+    for x, y in batches:
+        opt.zero_grad()
+        loss_fn("net", model(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+        opt.step()
+
+
+def torch_state_dict_api_worker(rank, world, *, strategy, full, directory):
+    """get_state_dict(model, optimizer) after 2 steps, into a fresh model (sharded
+    through dcp.save/dcp.load, or full on every rank), 2 more steps: equal to 4
+    uninterrupted steps. [Note: two names under DCP's state_dict API]"""
+    batches = make_batches("net", 4, GLOBAL_BATCH)
+    whole, whole_opt = _trained("net", strategy, rank, world, steps=4)
+    model, opt = _trained("net", strategy, rank, world, steps=2)
+    options = StateDictOptions(full_state_dict=full)
+    model_sd, optim_sd = get_state_dict(model, opt, options=options)
+    if not full:
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=directory)
+    torch.manual_seed(7)
+    fresh, fresh_opt = mf.fully_shard(make_model("net"), make_optimizer("adamw"), fsdp_unit_modules=[Block],
+                                      zero_dp_strategy=strategy)
+    with torch.no_grad():  # make sure the load, not the seed, gives the weights
+        for p in fresh.parameters():
+            p.add_(1.0)
+    fresh.install_optimized_model_weights()
+    if not full:
+        model_sd, optim_sd = get_state_dict(fresh, fresh_opt)
+        loaded = {"model": model_sd, "optim": optim_sd}
+        dcp.load(loaded, checkpoint_id=directory)
+        model_sd, optim_sd = loaded["model"], loaded["optim"]
+    set_state_dict(fresh, fresh_opt, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)
+    _continue(fresh, fresh_opt, rank, world, batches[2:])
+    a, b = mf.get_full_state_dict(fresh), mf.get_full_state_dict(whole)
+    return max((a[k] - b[k]).abs().max().item() for k in b), sorted(optim_sd["state"])[:1]
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["sharded_dcp", "full"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_torch_state_dict_api_resumes_exactly(pool2, tmp_path, strategy, full):
+    """Before 2026-11-25 set_state_dict refused our own checkpoint ('Missing optimizer
+    state for parameter module.inp.weight'), sharded or full."""
+    for diff, first_key in pool2.run(torch_state_dict_api_worker, strategy=strategy, full=full,
+                                     directory=str(tmp_path / "ckpt")):
+        assert diff < TOL and first_key == ["blocks.0.fc1.bias"], (diff, first_key)
+
