@@ -234,7 +234,10 @@ class GradReducePipeline:
         written: set[int] = set()
         for index, flat in grads:
             target = group.main_grads.item_in_bucket(index)
-            target.add_(flat) if index in written else target.copy_(flat)
+            if index in written:  # a second gradient in the same pass
+                target.add_(flat)
+            else:
+                target.copy_(flat)
             written.add(index)
         for index in state.stashed:
             param = group.params[index]
@@ -253,10 +256,11 @@ class GradReducePipeline:
         in a backward that does not reduce (``no_sync``), as soon as the group is
         complete (at the end of backward for a group some of whose parameters got no
         gradient), so the stash never holds more than a group's gradients beyond what
-        ZeRO-2/3 hold; the views go back then, and later microbatches accumulate into them. Holds when no gradient arrived and no
-        reduction ran since the zeroing; a ``.grad`` still attached to the distributed
-        parameter (``zero_grad(set_to_none=False)``) may have been written into since,
-        so it takes the add."""
+        ZeRO-2/3 hold; the views go back then, and later microbatches accumulate into
+        them. Holds when no gradient arrived and no reduction ran since the zeroing; a
+        ``.grad`` still attached to the distributed parameter
+        (``zero_grad(set_to_none=False)``) may have been written into since, so it
+        takes the add."""
         return (state.reductions_since_zero == 0 and not state.used[index]
                 and group.dist_params[index].grad is None)
 
