@@ -49,6 +49,7 @@ class OptimizerBinding:
         self.models = models
         self._install = True
         self._swapped: Optional[_LocalSwap] = None
+        self._told_dtensor_steps = False
         self._handles = [
             optimizer.register_step_pre_hook(self.pre_step),
             optimizer.register_step_post_hook(self.post_step),
@@ -82,7 +83,15 @@ class OptimizerBinding:
         if pieces:
             refuse_whole_tensor_optimizer(optimizer)
         # Replicated groups' local tensors are whole parameters: any optimizer is exact there.
-        self._swapped = _LocalSwap(optimizer) if not pieces or updates_elementwise(optimizer) else None
+        local = not pieces or updates_elementwise(optimizer)
+        if not local and not self._told_dtensor_steps:
+            self._told_dtensor_steps = True
+            logger.info(
+                "%s is not a known elementwise optimizer: it steps the sharded DTensors (exact, slower than the "
+                "local pieces); set optimizer.%s = True if its update is elementwise", type(optimizer).__name__,
+                ELEMENTWISE_ATTR,
+            )
+        self._swapped = _LocalSwap(optimizer) if local else None
         return args, kwargs
 
     def post_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
