@@ -29,11 +29,11 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.autograd.graph import register_multi_grad_hook
 from torch.profiler import record_function
-from torch.utils._pytree import tree_flatten
 
 from .all_gather_pipeline import AllGatherPipeline
 from .enums import ShardingStrategy, TrainingState
 from .grad_reduce_pipeline import GradReducePipeline
+from .outputs import grad_tensors, refuse_hidden_grad_tensors
 from .param_and_grad_buffer import ParamAndGradBuffer, ParameterGroup
 from .unit_schedule import UnitSchedule, finish_order
 
@@ -96,11 +96,6 @@ def _contains(outer: FSDPUnit, inner: FSDPUnit) -> bool:
     """``inner``'s modules live inside ``outer``'s (nested units)."""
     inside = {id(m) for module in outer.modules for m in module.modules()}
     return outer is not inner and id(inner.modules[0]) in inside
-
-
-def _grad_tensors(output: Any) -> list[torch.Tensor]:
-    leaves, _ = tree_flatten(output)
-    return [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
 class HookRuntime:
@@ -215,10 +210,12 @@ class HookRuntime:
         # The first training forward fixes the unit order used by every rank.
         if self.schedule.order and torch.is_grad_enabled() and not self.schedule.final:
             self.schedule.agree(self.root_dp_group)
-        tensors = _grad_tensors(output) if torch.is_grad_enabled() else []
+        tensors = grad_tensors(output) if torch.is_grad_enabled() else []
         if tensors:
             register_multi_grad_hook(tensors, self._root_pre_backward, mode="any")
         else:
+            if torch.is_grad_enabled():
+                refuse_hidden_grad_tensors(output, "the model")
             # Evaluation: nothing will come back for these weights.
             self.all_gather.reshard(self.root_groups)
         return output
@@ -281,9 +278,11 @@ class HookRuntime:
         if not keep:
             with record_function(f"megatron_fsdp::reshard:{unit.name}"):
                 self.all_gather.reshard(unit.groups)
-        tensors = _grad_tensors(output) if training else []
+        tensors = grad_tensors(output) if training else []
         if tensors:
             register_multi_grad_hook(tensors, lambda grads: self.pre_backward(unit), mode="any")
+        elif training:
+            refuse_hidden_grad_tensors(output, f"FSDP unit {unit.name}")
         return output
 
     def _finish_forward(self, unit: FSDPUnit, training: bool) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import collections
 import copy
+import dataclasses
 from typing import Callable, Optional
 
 import torch
@@ -153,3 +155,46 @@ def train_reference(
 def max_param_diff(full_state: dict, reference: nn.Module) -> float:
     diffs = [(full_state[name] - p.detach()).abs().max().item() for name, p in reference.named_parameters()]
     return max(diffs)
+
+
+# -- units returning structured outputs (tests of outputs.py) ----------------------------------
+@dataclasses.dataclass
+class BlockOutput:
+    h: torch.Tensor
+    aux: torch.Tensor
+
+
+class Opaque:
+    def __init__(self, h, aux):
+        self.h, self.aux = h, aux
+
+
+BlockTuple = collections.namedtuple("BlockTuple", ["h", "aux"])
+
+
+class StructuredBlock(torch.nn.Module):
+    """A unit returning its activation and an auxiliary loss in some container."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.fc, self.kind = torch.nn.Linear(8, 8), kind
+
+    def forward(self, x):
+        h = torch.tanh(self.fc(x))
+        return {"dict": lambda: {"h": h, "aux": h.sum()}, "namedtuple": lambda: BlockTuple(h, h.sum()),
+                "dataclass": lambda: BlockOutput(h, h.sum()), "opaque": lambda: Opaque(h, h.sum())}[self.kind]()
+
+
+class StructuredNet(torch.nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([StructuredBlock(kind) for _ in range(3)])
+        self.head = torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        aux = 0.0
+        for block in self.blocks:
+            out = block(x)
+            x, extra = (out["h"], out["aux"]) if isinstance(out, dict) else (out.h, out.aux)
+            aux = aux + extra
+        return self.head(x).mean() + 0.01 * aux

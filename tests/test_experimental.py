@@ -31,7 +31,8 @@ from megatron_fsdp.experimental import (
 )
 from dist_pool import RemoteError
 from models import (
-    Block, Net, loss_fn, make_batches, make_model, make_optimizer, max_param_diff, train_reference, train_steps,
+    Block, Net, StructuredNet, loss_fn, make_batches, make_model, make_optimizer, max_param_diff, train_reference,
+    train_steps,
 )
 
 TOL = 1e-5
@@ -447,6 +448,46 @@ def test_grads_written_after_zero_grad_are_accumulated_on(pool2, strategy):
 def test_hybrid_grads_written_after_zero_grad_are_accumulated_on(pool4, strategy):
     for diff in pool4.run(grads_written_worker, strategy=strategy):
         assert diff < 1e-5, diff
+
+
+def structured_output_worker(rank, world, *, kind):
+    """Units returning dicts, namedtuples, dataclasses (outputs.py), or an object
+    hiding its tensors (refused in forward)."""
+    torch.manual_seed(0)  # every rank the same initial weights, as FSDP2 expects
+    model = StructuredNet(kind)
+    reference = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    inputs = [torch.randn(4 * world, 8, generator=g) for _ in range(3)]
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for x in inputs:
+        ref_opt.zero_grad()
+        (sum(reference(part) for part in x.chunk(world)) / world).backward()
+        ref_opt.step()
+    mesh, placements = make_mesh(world, "zero3"), placements_for("zero3")
+    with fully_shard_context() as context:
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, placements=placements)
+        fully_shard(model, mesh=mesh, placements=placements)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    fully_shard_optimizer(opt)
+    try:
+        for x in inputs:
+            opt.zero_grad()
+            with microbatch(context, is_last=True):
+                model(x.chunk(world)[rank]).backward()
+            opt.step()
+    except RuntimeError as exc:
+        return str(exc)
+    return max_param_diff(full_state_dict(model), reference)
+
+
+@pytest.mark.parametrize("kind", ["dict", "namedtuple", "dataclass", "opaque"])
+def test_unit_outputs_in_containers(pool2, kind):
+    for result in pool2.run(structured_output_worker, kind=kind):
+        if kind == "opaque":
+            assert "StructuredBlock returned an object of type Opaque holding tensors" in str(result), result
+        else:
+            assert result < 1e-5, result
 
 
 def stale_weights_worker(rank, world, *, foreach, strategy="zero3"):

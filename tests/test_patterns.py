@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import megatron_fsdp as mf
-from models import Block, SkipNet, loss_fn, make_batches
+from models import Block, SkipNet, StructuredBlock, StructuredNet, loss_fn, make_batches
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 TOL = 1e-5
@@ -531,3 +531,44 @@ def test_sparse_embedding_gradients(pool2, strategy, optimizer):
     does (it failed inside the gradient hook: 'reshape is not implemented for sparse')."""
     for diff in pool2.run(sparse_embedding_worker, strategy=strategy, optimizer=optimizer):
         assert diff < TOL, diff
+
+
+# -- what a unit returns ---------------------------------------------------------------------
+def structured_output_worker(rank, world, *, strategy, kind):
+    torch.manual_seed(0)
+    base = StructuredNet(kind)
+    reference = copy.deepcopy(base)
+    g = torch.Generator().manual_seed(1)
+    inputs = [torch.randn(4 * world, 8, generator=g) for _ in range(3)]
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for x in inputs:
+        ref_opt.zero_grad()
+        (sum(reference(part) for part in x.chunk(world)) / world).backward()
+        ref_opt.step()
+    model, opt = mf.fully_shard(base, lambda ps: torch.optim.SGD(ps, lr=0.1), fsdp_unit_modules=[StructuredBlock],
+                                zero_dp_strategy=strategy)
+    before = mf.get_full_state_dict(model)
+    try:
+        for x in inputs:
+            opt.zero_grad()
+            model(x.chunk(world)[rank]).backward()
+            opt.step()
+    except RuntimeError as exc:
+        return str(exc), all(torch.equal(before[k], v) for k, v in mf.get_full_state_dict(model).items())
+    model.finish_param_sync()
+    full = mf.get_full_state_dict(model)
+    return max((full[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters()), None
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("kind", ["dict", "namedtuple", "dataclass"])
+def test_unit_outputs_in_containers(pool2, strategy, kind):
+    """Units returning dicts, namedtuples or dataclasses train as in one process (a
+    dataclass hid its tensors from ZeRO-3's backward hook: 'setStorage ... size 0')."""
+    for diff, _ in pool2.run(structured_output_worker, strategy=strategy, kind=kind):
+        assert diff < TOL, diff
+
+
+def test_unit_output_hiding_its_tensors_is_refused(pool2):
+    for message, unchanged in pool2.run(structured_output_worker, strategy="optim_grads_params", kind="opaque"):
+        assert "returned an object of type Opaque holding tensors" in message and "dataclasses" in message and unchanged, message

@@ -36,11 +36,11 @@ from torch import nn
 from torch.distributed import DeviceMesh
 from torch.distributed.tensor.placement_types import Placement
 from torch.profiler import record_function
-from torch.utils._pytree import tree_flatten
 
 from ..allocator import BufferAccounting, StorageResizeAllocator
 from ..module_guards import RefusesCopies
 from ..mixed_precision import MixedPrecisionPolicy
+from ..outputs import grad_tensors, refuse_hidden_grad_tensors
 from .parameter_group import FsdpParameterGroup, PendingReduction, get_containing_parameter_group
 from .placement import specialize_placements
 
@@ -258,10 +258,12 @@ class FsdpModule(RefusesCopies):
             self._end_range()
         # Backward reaches this module when the first gradient of its outputs is
         # computed. (A reentrant checkpoint's rerun is where its outputs get a graph.)
-        needing_grad = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        needing_grad = grad_tensors(output)  # dataclass fields too, as the main engine
         if needing_grad:
             ref = weakref.ref(self)
             torch.autograd.graph.register_multi_grad_hook(needing_grad, lambda _grads: _on_pre_backward(ref), mode="any")
+        elif torch.is_grad_enabled() and not recomputing:
+            refuse_hidden_grad_tensors(output, type(self).__name__)
         if self.phase is FsdpModule.Phase.FORWARD:
             self.phase = FsdpModule.Phase.RESTING
 
