@@ -198,3 +198,20 @@ class StructuredNet(torch.nn.Module):
             x, extra = (out["h"], out["aux"]) if isinstance(out, dict) else (out.h, out.aux)
             aux = aux + extra
         return self.head(x).mean() + 0.01 * aux
+
+
+def structured_case(kind: str, world: int, steps: int = 3):
+    """A seeded StructuredNet, its inputs, and a copy trained in one process (SGD,
+    lr 0.1) on the mean of the ranks' losses: what a wrapped run must equal."""
+    torch.manual_seed(0)  # every rank the same initial weights
+    model = StructuredNet(kind)
+    reference = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    inputs = [torch.randn(4 * world, 8, generator=g) for _ in range(steps)]
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for x in inputs:
+        ref_opt.zero_grad()
+        (sum(reference(part) for part in x.chunk(world)) / world).backward()
+        ref_opt.step()
+    return model, inputs, reference
+

@@ -31,8 +31,8 @@ from megatron_fsdp.experimental import (
 )
 from dist_pool import RemoteError
 from models import (
-    Block, Net, StructuredNet, loss_fn, make_batches, make_model, make_optimizer, max_param_diff, train_reference,
-    train_steps,
+    Block, Net, loss_fn, make_batches, make_model, make_optimizer, max_param_diff, train_reference,
+    structured_case, train_steps,
 )
 
 TOL = 1e-5
@@ -453,16 +453,7 @@ def test_hybrid_grads_written_after_zero_grad_are_accumulated_on(pool4, strategy
 def structured_output_worker(rank, world, *, kind):
     """Units returning dicts, namedtuples, dataclasses (outputs.py), or an object
     hiding its tensors (refused in forward)."""
-    torch.manual_seed(0)  # every rank the same initial weights, as FSDP2 expects
-    model = StructuredNet(kind)
-    reference = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(1)
-    inputs = [torch.randn(4 * world, 8, generator=g) for _ in range(3)]
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    for x in inputs:
-        ref_opt.zero_grad()
-        (sum(reference(part) for part in x.chunk(world)) / world).backward()
-        ref_opt.step()
+    model, inputs, reference = structured_case(kind, world)  # the same initial weights everywhere, as FSDP2 expects
     mesh, placements = make_mesh(world, "zero3"), placements_for("zero3")
     with fully_shard_context() as context:
         for block in model.blocks:

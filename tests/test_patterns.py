@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import megatron_fsdp as mf
-from models import Block, SkipNet, StructuredBlock, StructuredNet, loss_fn, make_batches
+from models import Block, SkipNet, StructuredBlock, loss_fn, make_batches, structured_case
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 TOL = 1e-5
@@ -535,16 +535,7 @@ def test_sparse_embedding_gradients(pool2, strategy, optimizer):
 
 # -- what a unit returns ---------------------------------------------------------------------
 def structured_output_worker(rank, world, *, strategy, kind):
-    torch.manual_seed(0)
-    base = StructuredNet(kind)
-    reference = copy.deepcopy(base)
-    g = torch.Generator().manual_seed(1)
-    inputs = [torch.randn(4 * world, 8, generator=g) for _ in range(3)]
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    for x in inputs:
-        ref_opt.zero_grad()
-        (sum(reference(part) for part in x.chunk(world)) / world).backward()
-        ref_opt.step()
+    base, inputs, reference = structured_case(kind, world)
     model, opt = mf.fully_shard(base, lambda ps: torch.optim.SGD(ps, lr=0.1), fsdp_unit_modules=[StructuredBlock],
                                 zero_dp_strategy=strategy)
     before = mf.get_full_state_dict(model)
