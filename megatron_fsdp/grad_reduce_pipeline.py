@@ -317,8 +317,6 @@ class GradReducePipeline:
         for group in self.groups:
             if self._takes_part(group, sync):
                 self._state[group].requested = True
-        if not self._takes_part(group, sync):
-            self._flush_group(group)  # not reduced in this pass: bound the stash to a group
         self._drain(sync)
 
     def start_all(self) -> None:

@@ -215,3 +215,12 @@ def structured_case(kind: str, world: int, steps: int = 3):
         ref_opt.step()
     return model, inputs, reference
 
+
+@torch.no_grad()
+def add_decay_into_grads(model: nn.Module, rate: float = 0.01) -> None:
+    """A hand-written decay term added into every present ``.grad`` (before backward,
+    after a zeroing that keeps gradients attached)."""
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.add_(p, alpha=rate)
+

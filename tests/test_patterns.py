@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import megatron_fsdp as mf
-from models import Block, SkipNet, StructuredBlock, loss_fn, make_batches, structured_case
+from models import Block, SkipNet, StructuredBlock, add_decay_into_grads, loss_fn, make_batches, structured_case
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 TOL = 1e-5
@@ -163,10 +163,7 @@ def loop_grad_written_before_backward(model, opt, step, x, y, ctx):
         model.zero_grad_buffer()
     else:
         opt.zero_grad(set_to_none=False)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.grad is not None:
-                p.grad.add_(p, alpha=0.01)
+    add_decay_into_grads(model)
     _loss(model, ctx, x, y).backward()
     opt.step()
 

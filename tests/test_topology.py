@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 
 import megatron_fsdp as mf
 from megatron_fsdp.distributed_index import build_hybrid_mesh
-from models import Block, backward_microbatches, loss_fn, make_batches, make_model, make_optimizer, max_param_diff, train_reference
+from models import Block, add_decay_into_grads, backward_microbatches, loss_fn, make_batches, make_model, make_optimizer, max_param_diff, train_reference
 
 TOL = 1e-5
 
@@ -67,13 +67,6 @@ def test_hybrid_parity(pool4, strategy, outer, optimizer):
         assert diff < TOL
 
 
-def _add_decay_into_grads(model) -> None:
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.grad is not None:
-                p.grad.add_(p, alpha=0.01)
-
-
 def attached_zero_worker(rank, world, *, strategy, outer):
     """[Note: zeroed gradients that stay attached] on a 2x2 mesh: zero_grad_buffer()
     (odd steps) or zero_grad(set_to_none=False), a decay term written into the zeroed
@@ -84,11 +77,11 @@ def attached_zero_worker(rank, world, *, strategy, outer):
     model, opt = _hybrid(strategy, outer)
     for step, (x, y) in enumerate(batches):
         ref_opt.zero_grad(set_to_none=False)
-        _add_decay_into_grads(reference)
+        add_decay_into_grads(reference)
         loss_fn("net", reference(x), y).backward()
         ref_opt.step()
         model.zero_grad_buffer() if step % 2 else opt.zero_grad(set_to_none=False)
-        _add_decay_into_grads(model)
+        add_decay_into_grads(model)
         backward_microbatches(model, x, y, rank, world, microbatches=2)
         opt.step()
     return max_param_diff(mf.get_full_state_dict(model), reference)
