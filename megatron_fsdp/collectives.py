@@ -234,7 +234,9 @@ def reduce_scatter(
     (which may be this rank's own slice of ``full``)."""
     _record("reduce_scatter", full, label)
     with record_function(f"megatron_fsdp::reduce_scatter:{label}"):
-        if p2p_transport.applies(group, full):
+        if _is_identity(output, full, group, op):
+            launch = lambda: ([], None)  # noqa: E731
+        elif p2p_transport.applies(group, full):
             launch = lambda: p2p_transport.reduce_scatter(output, full, group, op)  # noqa: E731
         else:
             launch = lambda: _reduce_scatter_flat(output, full, op=op, group=group, async_op=True)  # noqa: E731
@@ -253,6 +255,22 @@ def is_own_slice(shard: torch.Tensor, output: torch.Tensor, rank: int, world: in
     )
 
 
+_IDENTITY_OPS = (dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MAX, dist.ReduceOp.MIN)
+
+
+def _is_identity(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup, op) -> bool:
+    """[Note: one-rank reductions] A reduction over one rank into its own input
+    (the sum, mean or extreme of one value) leaves it as it is: nothing to send or
+    copy, so no transport call is made."""
+    return (
+        any(op == known for known in _IDENTITY_OPS)
+        and dist.get_world_size(group) == 1
+        and output.dtype == full.dtype
+        and output.numel() == full.numel()
+        and output.data_ptr() == full.data_ptr()
+    )
+
+
 def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and a.numel() > 0
 
@@ -268,7 +286,10 @@ def all_reduce(
 ) -> Optional[Handle]:
     _record("all_reduce", tensor, label)
     with record_function(f"megatron_fsdp::all_reduce:{label}"):
-        launch = lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True)  # noqa: E731
+        if _is_identity(tensor, tensor, group, op):
+            launch = lambda: ([], None)  # noqa: E731
+        else:
+            launch = lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True)  # noqa: E731
         return _issue("all_reduce", label, group, launch, async_op, (tensor,), timeout)
 
 

@@ -264,20 +264,24 @@ class GradReducePipeline:
         return (state.reductions_since_zero == 0 and not state.used[index]
                 and group.dist_params[index].grad is None)
 
-    def _copy_in(self, group: ParameterGroup, grads: list, bucket: torch.Tensor) -> None:
+    def _copy_in(self, group: ParameterGroup, grads: list, bucket: torch.Tensor, *, accumulate: bool = False) -> None:
         """ZeRO-2/3: write this pass's scaled gradients into the (uninitialised) bucket
-        and zero the gaps (absent gradients, padding): one pass over each gradient."""
+        and zero the gaps (absent gradients, padding): one pass over each gradient.
+        ``accumulate``: the bucket holds earlier gradients to add to (it is the main-
+        grad buffer itself: [Note: one-rank reductions])."""
         scaling = self._scaling(group)
         written: set[int] = set()
         for index, flat in grads:
             target = bucket[slice(*group.layout.item_range(index))]
-            if index in written:  # a second gradient in the same pass
+            if accumulate or index in written:  # earlier gradients, or a second one in this pass
                 target.add_(flat, alpha=scaling)
             elif scaling != 1.0:
                 torch.mul(flat, scaling, out=target)
             else:
                 target.copy_(flat)
             written.add(index)
+        if accumulate:
+            return
         for index in range(len(group.params)):
             if index not in written:
                 bucket[slice(*group.layout.item_range(index))].zero_()
@@ -349,22 +353,32 @@ class GradReducePipeline:
         # Temporaries are allocated here, on the compute stream, and released once it
         # has waited for the collective ([Note: the reduce-scatter stream]).
         temps: list[torch.Tensor] = []
-        if strategy.shards_grads or comm_dtype != main.dtype:
+        first = state.reductions_since_zero == 1
+        one_rank = strategy.shards_grads and group.layout.world_size == 1 and comm_dtype == main.dtype
+        if one_rank:
+            # [Note: one-rank reductions] A reduce-scatter over one rank is the
+            # identity: the gradients go straight into the main-grad buffer (added
+            # when it holds earlier ones) and the collective runs in place.
+            source = output = main.data
+        elif strategy.shards_grads or comm_dtype != main.dtype:
             # ZeRO-2/3: this pass's gradients; ZeRO-0/1 with a wire dtype: a copy that
             # lives only for the collective (no second persistent buffer).
             source = self.allocator.new(group.layout.padded_numel, comm_dtype, main.device)
             temps.append(source)
         else:
             source = main.data
-        if strategy is ShardingStrategy.NO_SHARD:
+        if one_rank:
+            pass
+        elif strategy is ShardingStrategy.NO_SHARD:
             output = source
         elif source is main.data:
             # ZeRO-1 without a wire dtype: reduce-scatter in place into this rank's
             # own region of the source (NCCL and gloo both allow exactly this alias).
             output = main.shard
-        elif strategy.shards_grads and state.reductions_since_zero == 1 and comm_dtype == main.dtype:
-            # First reduction since zeroing: the main-grad shard is zero, so the
-            # result can land there directly: no output bucket, no add.
+        elif strategy.shards_grads and first and comm_dtype == main.dtype:
+            # First reduction since zeroing: the main-grad shard counts as zero
+            # ([Note: zeroing by the first reduction]), so the result can land
+            # there directly: no output bucket, no add.
             output = main.data
         else:
             output = self.allocator.new(group.layout.shard_numel, comm_dtype, main.device)
@@ -373,7 +387,7 @@ class GradReducePipeline:
         op, scaling = self._op(), self._scaling(group)
         with self.comm_streams.on(StreamKind.REDUCE_SCATTER):
             if strategy.shards_grads:
-                self._copy_in(group, grads, source)  # scaled on the way in
+                self._copy_in(group, grads, source, accumulate=one_rank and not first)  # scaled on the way in
             else:
                 self._flush_stash(group, grads)
                 if source is not main.data:
@@ -393,7 +407,7 @@ class GradReducePipeline:
                     output, source, group.dp.shard_group, op=op, async_op=True, label=group.label, timeout=self.timeout
                 )
             issued = self.comm_streams.record(StreamKind.REDUCE_SCATTER)
-        finalize = self._finalizer(group, output, temps, outer=outer and group.dp.outer_group is not None)
+        finalize = self._finalizer(group, output, temps, outer=outer and group.dp.outer_group is not None, first=first)
         pending = _Pending(group, work, finalize, holds_memory=bool(temps), inputs=grads, issued=issued)
         if async_op:
             self._pending.append(pending)
@@ -469,15 +483,21 @@ class GradReducePipeline:
             self._finish(head)
 
     def _finalizer(
-        self, group: ParameterGroup, output: torch.Tensor, temps: list[torch.Tensor], *, outer: bool
+        self, group: ParameterGroup, output: torch.Tensor, temps: list[torch.Tensor], *, outer: bool, first: bool
     ) -> Callable[[], None]:
+        """``first``: the first reduction since zeroing ([Note: zeroing by the first
+        reduction]): a ZeRO-2/3 result is written, not added."""
         main = group.main_grads
         strategy = group.strategy
 
         @torch.no_grad()
         def finalize() -> None:
             if strategy.shards_grads:
-                if output is not main.data:
+                if output is main.data:
+                    pass
+                elif first:
+                    main.data.copy_(output)  # promoting to the main dtype
+                else:
                     main.data.add_(output)  # accumulate across microbatches, promoting to the main dtype
             else:
                 self._state[group].holds_reduced = True
@@ -612,15 +632,24 @@ class GradReducePipeline:
                 self.global_used[g] = piece.bool()
 
     @torch.no_grad()
-    def zero(self, group: Optional[ParameterGroup] = None, items: Optional[list[int]] = None) -> None:
-        """Zero the main gradients (of one group's ``items``, or of everything)."""
+    def zero(
+        self, group: Optional[ParameterGroup] = None, items: Optional[list[int]] = None, *, reducing: bool = False
+    ) -> None:
+        """Zero the main gradients (of one group's ``items``, or of everything).
+        ``reducing``: a backward pass that reduces every ZeRO-2/3 group follows at
+        once, so their whole-group zeroing is left to the first reduction."""
         self.wait_all()
         self._outer_reduced = False
         for g in self.groups if group is None else [group]:
             state = self._state[g]
             self._flush_group(g)  # a zeroing inside backward: what arrived so far is zeroed too
             if items is None or len(items) == len(g.params):
-                g.main_grads.data.zero_()
+                if not (reducing and g.strategy.shards_grads):
+                    # [Note: zeroing by the first reduction] A ZeRO-2/3 group reduces in
+                    # every backward pass, and its first reduction after a zeroing
+                    # writes its whole shard (gaps and padding as zeros) instead of
+                    # adding to it, so the memset is skipped when such a pass follows.
+                    g.main_grads.data.zero_()
                 for param in g.params:  # [Note: first gradient after zeroing]
                     if param.grad is not None and param.grad is self._views.get(param):
                         param.grad = None

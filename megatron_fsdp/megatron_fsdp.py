@@ -390,7 +390,7 @@ class MegatronFSDP(RefusesCopies, nn.Module):
         for group in buffer.grad_groups:
             cleared = buffer.cleared_grads(group)
             if cleared:
-                self.grad_reduce_pipeline.zero(group, cleared)
+                self.grad_reduce_pipeline.zero(group, cleared, reducing=True)
         self.grad_reduce_pipeline.begin_backward()
 
     def _on_backward_end(self) -> None:

@@ -368,9 +368,9 @@ def stream_protocol_worker(rank, world, *, strategy, comm_dtype):
             weakref.finalize(param.grad, trace.append, ("grad_freed", group.label))
         return accumulate(group, index, param)
 
-    def copying_in(group, grads, bucket):
+    def copying_in(group, grads, bucket, **kwargs):
         trace.append(("copy_in", group.label, recorder.inside))
-        return copy_in(group, grads, bucket)
+        return copy_in(group, grads, bucket, **kwargs)
 
     copy_in, pipe._copy_in = pipe._copy_in, copying_in
     collectives.reduce_scatter, collectives.all_reduce = issuing(originals[0]), issuing(originals[1])
