@@ -32,6 +32,7 @@ Full weights come from ``megatron_fsdp.get_full_state_dict(model)`` or
 from __future__ import annotations
 
 import enum
+import sys
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Shard
@@ -143,6 +144,40 @@ class PieceDTensor(DTensor):
         if not _sharded(self):
             return super().full_tensor(grad_placements=grad_placements)
         raise NotImplementedError("full_tensor(): " + _REMEDY.format(what="the full tensor"))
+
+    def to_local(self, *, grad_placements=None) -> torch.Tensor:  # type: ignore[override]
+        if _sharded(self) and _writes_chunk_rows(sys._getframe(1)):
+            raise NotImplementedError(_BROADCAST_FROM_RANK0)
+        return super().to_local(grad_placements=grad_placements)
+
+
+# [Note: broadcast_from_rank0] torch.distributed.checkpoint.state_dict's
+# ``set_model_state_dict(..., StateDictOptions(full_state_dict=True,
+# broadcast_from_rank0=True))`` broadcasts each full tensor from rank 0 and then, in
+# ``_distribute_tensors``, copies its torch.chunk rows into ``param.to_local()`` of
+# every DTensor parameter it walked to, before the model's ``load_state_dict`` sees
+# anything. For a flat piece that copy is a size mismatch, or, where the sizes happen
+# to agree (a 1-D weight, a one-element chunk broadcast over the piece), a silently
+# wrong value: a LayerNorm walked before the first matrix came out corrupted and
+# the load then failed. No hook of the module runs in between, so the piece
+# recognises that caller and refuses before the first write, on every rank alike
+# (each rank walks the same keys). The experimental engine's row-aligned
+# FlatDTensor takes this path exactly.
+_BROADCAST_FROM_RANK0 = (
+    "torch.distributed.checkpoint.state_dict with broadcast_from_rank0=True would copy torch.chunk rows into "
+    "megatron_fsdp's sharded parameters, which hold this rank's flat piece of a buffer (a wrong value or a "
+    "size mismatch), so it is refused; no sharded parameter was loaded. Fix: give every rank the full state "
+    "dict and load it with StateDictOptions(full_state_dict=True) without broadcast_from_rank0 "
+    "(torch.load(path, mmap=True, weights_only=True) keeps host memory low), or call "
+    "model.load_state_dict(full_state_dict) on every rank"
+)
+
+
+def _writes_chunk_rows(frame) -> bool:
+    """The caller is DSD's ``_distribute_tensors`` ([Note: broadcast_from_rank0])."""
+    return frame.f_code.co_name == "_distribute_tensors" and frame.f_globals.get("__name__") == (
+        "torch.distributed._state_dict_utils"
+    )
 
 
 _PARTIAL_READ = (

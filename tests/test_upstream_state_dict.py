@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
+    set_optimizer_state_dict,
     set_state_dict,
 )
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -241,3 +242,69 @@ def test_torch_state_dict_api_resumes_exactly(pool2, tmp_path, strategy, full):
                                      directory=str(tmp_path / "ckpt")):
         assert diff < TOL and first_key == ["blocks.0.fc1.bias"], (diff, first_key)
 
+
+
+class NormFirst(torch.nn.Module):
+    """A LayerNorm walked before the first matrix: its 1-D weights are where torch's
+    chunk-row copy could land silently ([Note: broadcast_from_rank0])."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(2)
+        self.a = torch.nn.Linear(2, 6)
+        self.b = torch.nn.Linear(6, 2)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(self.norm(x))))
+
+
+def _full_values(state):
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in state.items()}
+
+
+def broadcast_from_rank0_worker(rank, world, *, strategy):
+    """Model: loaded exactly under no_shard, refused before any write under the
+    sharded strategies. Optimizer: its state dict is standard DTensors, so
+    set_optimizer_state_dict(broadcast_from_rank0=True) resumes exactly."""
+    torch.manual_seed(0)
+    source = NormFirst()
+    with torch.no_grad():
+        for p in source.parameters():
+            p.copy_(torch.randn_like(p))
+    full = {k: v.clone() for k, v in source.state_dict().items()}
+    model, _ = mf.fully_shard(NormFirst(), make_optimizer("adamw"), zero_dp_strategy=strategy)
+    before = _full_values(mf.get_full_state_dict(model))
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    try:
+        set_model_state_dict(model, dict(full) if rank == 0 else {}, options=options)
+        message = "no error"
+    except NotImplementedError as exc:
+        message = str(exc)
+    after = _full_values(mf.get_full_state_dict(model))
+    loaded = max((after[k] - full[k]).abs().max().item() for k in full)
+    unchanged = all(torch.equal(after[k], before[k]) for k in full)
+
+    batches = make_batches("net", 4, GLOBAL_BATCH)
+    whole, whole_opt = _trained("net", strategy, rank, world, steps=4)
+    trained, trained_opt = _trained("net", strategy, rank, world, steps=2)
+    model_sd, optim_sd = get_state_dict(trained, trained_opt, options=StateDictOptions(full_state_dict=True))
+    fresh, fresh_opt = mf.fully_shard(make_model("net"), make_optimizer("adamw"), fsdp_unit_modules=[Block],
+                                      zero_dp_strategy=strategy)
+    set_model_state_dict(fresh, model_sd, options=StateDictOptions(full_state_dict=True))
+    set_optimizer_state_dict(fresh, fresh_opt, optim_sd if rank == 0 else {}, options=options)
+    _continue(fresh, fresh_opt, rank, world, batches[2:])
+    a, b = _full_values(mf.get_full_state_dict(fresh)), _full_values(mf.get_full_state_dict(whole))
+    return message, loaded, unchanged, max((a[k] - b[k]).abs().max().item() for k in b)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_broadcast_from_rank0(pool2, strategy):
+    """Before 2026-11-25 the sharded strategies wrote torch.chunk rows into the
+    LayerNorm's flat pieces (wrong weights) and then failed on a size mismatch."""
+    for message, loaded, unchanged, resumed in pool2.run(broadcast_from_rank0_worker, strategy=strategy):
+        if strategy == "no_shard":
+            assert message == "no error" and loaded == 0.0, (message, loaded)
+        else:
+            assert "broadcast_from_rank0" in message and "full_state_dict=True" in message, message
+            assert unchanged
+        assert resumed < TOL, resumed
