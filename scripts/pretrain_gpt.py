@@ -106,7 +106,7 @@ def restore(args, ctx: StepContext, state: TrainState) -> None:
         logger.info("> --finetune: loaded the weights only; iteration, schedule and optimizer start fresh")
         return
     state.load_state_dict(extra["train_state"])
-    ctx.schedule.load_state_dict(extra["lr_schedule"])
+    ctx.schedule.load_state_dict(extra["lr_schedule"], use_checkpoint_settings=args.use_checkpoint_opt_param_scheduler)
     if ctx.scaler is not None and extra.get("loss_scaler"):
         ctx.scaler.load_state_dict(extra["loss_scaler"])
     if not args.no_load_rng:

@@ -463,3 +463,121 @@ def test_mcore_models_refuse_what_the_local_spec_cannot_build(monkeypatch):
     with pytest.raises(ArgumentError, match=re.escape("--moe-layer-freq [0,1] with --use-mcore-models")):
         _parse(mcore + ["--num-experts", "2", "--moe-layer-freq", "[0,1]"])
     assert _parse(mcore + ["--num-experts", "2"]).use_mcore_models
+
+
+# -- flags that change Megatron-LM's numbers reach the model -----------------------------------
+LLAMA_MOE = shlex.split("--swiglu --disable-bias-linear --num-experts 4 --moe-router-topk 2")
+
+
+@pytest.mark.parametrize("value", ["fp32", "fp64"])
+def test_moe_router_dtype_reaches_the_model(value):
+    import torch
+
+    from megatron_fsdp.models import GPT, RouterDtype
+    from megatron_fsdp.training.model_setup import gpt_config_from_args
+
+    args = _parse(LLAMA_MOE + ["--moe-router-dtype", value])
+    assert args.flag_warnings == []  # used, not "accepted, no effect"
+    cfg = gpt_config_from_args(args)
+    assert cfg.moe_router_dtype is RouterDtype(value)
+    assert GPT(cfg).blocks[0].mlp.router.router_dtype == {"fp32": torch.float32, "fp64": torch.float64}[value]
+    assert gpt_config_from_args(_parse(LLAMA_MOE)).moe_router_dtype is None  # Megatron-LM's default
+    with pytest.raises(SystemExit):  # Megatron-LM's choices
+        _parse(LLAMA_MOE + ["--moe-router-dtype", "bf16"])
+
+
+@pytest.mark.parametrize("extra, tanh", [
+    ("", True),  # Megatron-LM's fused bias-GELU kernel (on by default) is the tanh form
+    ("--no-bias-gelu-fusion", False),
+    ("--disable-bias-linear", False),  # Megatron-LM turns the fusion off without biases
+    ("--openai-gelu --no-bias-gelu-fusion", False),  # Megatron-LM never reads --openai-gelu
+])
+def test_gelu_flavour_follows_megatron_bias_gelu_fusion(extra, tanh):
+    from megatron_fsdp.training.model_setup import gpt_config_from_args
+
+    args = _parse(shlex.split(extra))
+    assert gpt_config_from_args(args).openai_gelu is tanh
+    assert any("--openai-gelu" in w for w in args.flag_warnings) == ("--openai-gelu" in extra)
+
+
+def test_gelu_presets_spell_flags_the_launcher_maps_back():
+    from megatron_fsdp.models import presets
+    from megatron_fsdp.training.model_setup import gpt_config_from_args
+
+    for name in ("gpt3-tiny", "llama3-tiny"):
+        cfg = presets.config(name)
+        tokens = []
+        for flag, value in presets.megatron_flags(cfg).items():
+            tokens += [flag] if value is True else [flag, str(value)]
+        tokens += ["--micro-batch-size", "2", "--lr", "1e-3", "--train-iters", "1"]
+        parsed = gpt_config_from_args(parse_args(tokens, world_size=1))
+        assert (parsed.swiglu, parsed.add_bias_linear) == (cfg.swiglu, cfg.add_bias_linear), name
+        assert cfg.swiglu or parsed.openai_gelu == cfg.openai_gelu, name  # swiglu models have no GELU
+
+
+def test_gelu_moe_with_the_fusion_on_warns_that_megatron_refuses_it():
+    gelu_moe = _parse(["--num-experts", "4"])
+    assert any("Megatron-LM refuses this" in w and "--no-bias-gelu-fusion" in w for w in gelu_moe.flag_warnings)
+    for extra in (["--no-bias-gelu-fusion"], ["--swiglu"], ["--disable-bias-linear"]):
+        assert not any("refuses" in w for w in _parse(["--num-experts", "4", *extra]).flag_warnings)
+
+
+def _logits_grad(extra: list[str]):
+    import torch
+
+    from megatron_fsdp.training.model_setup import _build_embedded_gpt
+
+    args = _parse(["--hidden-dropout", "0", "--attention-dropout", "0", *extra])
+    module, loss_fn_factory, _ = _build_embedded_gpt(args, torch.device("cpu"))
+    if args.bf16:
+        module = module.to(torch.bfloat16)
+    captured = {}
+
+    def keep_logits_grad(module, inputs, logits):
+        logits.register_hook(lambda grad: captured.setdefault("grad", grad))
+
+    module.register_forward_hook(keep_logits_grad)
+    tokens = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(3))
+    loss, _ = loss_fn_factory(module)(tokens[:, :-1], tokens[:, 1:])
+    loss.backward()
+    return loss.detach(), captured["grad"]
+
+
+@pytest.mark.parametrize("precision", [[], ["--bf16"]], ids=["fp32", "bf16"])
+def test_cross_entropy_loss_fusion_hands_back_a_bf16_logits_gradient(precision):
+    """Megatron-LM's fused loss: the same fp32 loss, the logits' gradient cast to bf16."""
+    import torch
+
+    loss, grad = _logits_grad(precision)
+    fused_loss, fused_grad = _logits_grad(precision + ["--cross-entropy-loss-fusion"])
+    assert torch.equal(loss, fused_loss) and fused_grad.dtype == grad.dtype
+    assert torch.equal(fused_grad, grad.to(torch.bfloat16).to(grad.dtype))
+    assert torch.equal(fused_grad, grad) == bool(precision)  # rounds an fp32 model's gradient only
+
+
+def test_use_checkpoint_opt_param_scheduler_takes_the_checkpoints_schedule(tmp_path, monkeypatch):
+    import importlib.util
+    import types
+
+    import torch
+
+    from megatron_fsdp.training import checkpointing
+    from megatron_fsdp.training.training_step import TrainState
+
+    spec = importlib.util.spec_from_file_location("pretrain_gpt_under_test", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    saved = LRSchedule(max_lr=1e-3, min_lr=1e-5, warmup_steps=2, decay_steps=20, style=LRDecayStyle.COSINE,
+                       num_steps=6)
+    extra = {"train_state": TrainState().state_dict(), "lr_schedule": saved.state_dict(), "rng": None}
+    monkeypatch.setattr(checkpointing, "load", lambda *args, **kwargs: extra)
+    resumed = {}
+    for flags in ([], ["--use-checkpoint-opt-param-scheduler"]):  # Megatron-LM's alias spelling
+        args = _parse(["--load", str(tmp_path), "--no-load-rng", *flags])
+        ctx = types.SimpleNamespace(bundle=types.SimpleNamespace(model=None, optimizer=None), scaler=None,
+                                    schedule=LRSchedule.from_args(args), device=torch.device("cpu"))
+        script.restore(args, ctx, TrainState())
+        resumed[bool(flags)] = ctx.schedule
+    assert resumed[True].num_steps == resumed[False].num_steps == 6
+    assert resumed[True].current_lr == saved.current_lr  # the checkpoint's lr 1e-3, cosine over 20
+    assert (resumed[False].max_lr, resumed[False].decay_steps) == (3e-3, 8)  # the command line's, as before

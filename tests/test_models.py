@@ -17,6 +17,7 @@ from megatron_fsdp.models import (
     Normalization,
     PositionEmbeddingType,
     RecomputeGranularity,
+    RouterDtype,
     gpt_loss,
     has_expert_parameters,
     presets,
@@ -24,6 +25,7 @@ from megatron_fsdp.models import (
 )
 from megatron_fsdp.models.config import megatron_swiglu_ffn_hidden_size
 from megatron_fsdp.models.layers import MLP
+from megatron_fsdp.models.mcore import to_mcore_state_dict
 from megatron_fsdp.models.moe import route, switch_load_balancing_loss
 from megatron_fsdp.models.rope import apply_rope, rope_angles
 
@@ -397,6 +399,110 @@ def test_aux_loss_gradient_is_added_to_the_loss(scale):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+# -- router dtype (Megatron's --moe-router-dtype) --------------------------------------------------
+def _near_tie_layer(router_dtype) -> MoELayer:
+    """A bf16 MoE layer whose router scores an all-ones token 32 (expert 0) and 32 + 2**-8
+    (expert 1), 0 for the rest: fp32 tells the two apart, a bf16 logit (spacing 0.25 at 32)
+    cannot. Every weight is exact in bf16."""
+    torch.manual_seed(0)
+    layer = MoELayer(GPTConfig(num_moe_experts=4, ffn_hidden_size=32, moe_router_dtype=router_dtype)).bfloat16()
+    with torch.no_grad():
+        layer.router.weight.zero_()
+        layer.router.bias.zero_()
+        layer.router.weight[:2] = 0.5
+        layer.router.weight[1, 0] += 2**-8
+    return layer
+
+
+def test_fp32_router_separates_experts_that_bf16_rounds_together():
+    tokens = torch.ones(3, 64, dtype=torch.bfloat16)
+    logits = _near_tie_layer("fp32").router(tokens)
+    assert logits.dtype == torch.float32 and logits[0, :2].tolist() == [32.0, 32.0 + 2**-8]
+    probs, idx = route(logits, 2)
+    assert idx[0].tolist() == [1, 0] and probs.dtype == torch.float32
+    torch.testing.assert_close(probs[0], torch.softmax(torch.tensor([2**-8, 0.0]), -1), rtol=0, atol=1e-7)
+    bf16_logits = _near_tie_layer(None).router(tokens)
+    assert bf16_logits.dtype == torch.bfloat16 and bf16_logits[0, 0] == bf16_logits[0, 1] == 32  # a tie
+    assert route(bf16_logits, 2)[0][0].tolist() == [0.5, 0.5]  # fp32 gives 0.50098 / 0.49902
+
+
+@pytest.mark.parametrize("router_dtype, dtype", [("fp32", torch.float32), ("fp64", torch.float64)])
+def test_router_dtype_routes_as_an_explicit_computation_in_that_dtype(router_dtype, dtype):
+    """bf16 weights (the Megatron-FSDP path) and fp32 weights under bf16 autocast (the DDP
+    path): logits, choice and weights are those of x W^T computed in the router dtype."""
+    cfg = GPTConfig(num_moe_experts=8, moe_router_topk=2, ffn_hidden_size=32, moe_router_dtype=router_dtype)
+    assert cfg.moe_router_dtype is RouterDtype(router_dtype)
+    tokens = torch.randn(64, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
+    torch.manual_seed(0)
+    layer = MoELayer(cfg)
+    for bf16_weights in (True, False):
+        model = MoELayer(cfg).bfloat16() if bf16_weights else layer
+        model.load_state_dict(layer.state_dict())
+        weight, bias = model.router.weight.detach(), model.router.bias.detach()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not bf16_weights):
+            logits = model.router(tokens)
+        explicit = torch.addmm(bias.to(dtype), tokens.to(dtype), weight.to(dtype).T)  # outside autocast
+        assert logits.dtype == dtype and torch.equal(logits, explicit)
+        probs, idx = route(logits, 2)
+        top, expected_idx = explicit.topk(2, dim=-1)
+        assert torch.equal(idx, expected_idx)
+        assert torch.equal(probs, torch.softmax(top.float(), -1).to(dtype))
+
+
+@pytest.mark.parametrize("biases", [True, False])
+def test_router_has_a_bias_exactly_when_linear_layers_do(biases):
+    """Megatron-core's router (0.16.1 and Megatron-LM's main) has a bias when
+    add_bias_linear, initialised like the weight (N(0, std), not zeros); it used to be
+    missing here, so a GPT-style MoE computed other logits than Megatron-LM's."""
+    cfg = GPTConfig(num_moe_experts=8, ffn_hidden_size=32, add_bias_linear=biases, init_method_std=0.5)
+    torch.manual_seed(0)
+    router = MoELayer(cfg).router
+    names = sorted(n for n, _ in router.named_parameters())
+    assert names == (["bias", "weight"] if biases else ["weight"])
+    tokens = torch.randn(16, 64, generator=torch.Generator().manual_seed(2))
+    expected = tokens @ router.weight.detach().T
+    if biases:
+        assert 0.2 < router.bias.detach().std().item() < 1.0  # drawn, not zeroed
+        expected = expected + router.bias.detach()
+    torch.testing.assert_close(router(tokens), expected)
+    if biases:
+        cfg_mcore = GPTConfig(num_layers=1, num_moe_experts=8, ffn_hidden_size=32)
+        names = to_mcore_state_dict(GPT(cfg_mcore).state_dict(), cfg_mcore)
+        assert "decoder.layers.0.mlp.router.bias" in names
+
+
+def test_expert_scales_its_activation_in_the_routing_weights_dtype():
+    """Megatron-core's experts weight the activation before the output projection and the
+    bias after it; an fp32 weight is applied in fp32 and rounded once to bf16."""
+    torch.manual_seed(0)
+    mlp = MLP(GPTConfig(ffn_hidden_size=32))
+    with torch.no_grad():
+        mlp.proj.bias.normal_()
+    x, p = torch.randn(5, 64), torch.rand(5)
+    torch.testing.assert_close(mlp(x, per_token_scale=p), p[:, None] * mlp(x), rtol=1e-5, atol=1e-6)
+    mlp, xb = mlp.bfloat16(), x.bfloat16()
+    h = F.gelu(mlp.fc(xb), approximate="tanh")
+    expected = (F.linear((h * p[:, None]).bfloat16(), mlp.proj.weight) + mlp.proj.bias * p[:, None]).bfloat16()
+    assert torch.equal(mlp(xb, per_token_scale=p), expected)
+
+
+@pytest.mark.parametrize("router_dtype", [None, "fp32"])
+def test_moe_gpt_trains_under_bf16_autocast(router_dtype):
+    """The launcher's DDP path in bf16 (fp32 weights, autocast): expert outputs come back in
+    bf16 and are summed in bf16 (this used to fail in index_add on a dtype mismatch)."""
+    model = _gpt(num_moe_experts=4, moe_aux_loss_coeff=0.01, moe_router_dtype=router_dtype, ffn_hidden_size=32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = gpt_loss(model(_tokens()[:, :-1]), _tokens()[:, 1:])
+    loss.backward()
+    router = model.blocks[0].mlp.router.weight
+    assert router.grad is not None and router.grad.abs().sum() > 0
+
+
+def test_router_dtype_names_a_bad_value():
+    with pytest.raises(ValueError, match="moe_router_dtype='bf16' is not one of 'fp32', 'fp64'"):
+        GPTConfig(num_moe_experts=4, moe_router_dtype="bf16")
+
+
 def test_moe_gpt_marks_experts_and_reports_aux_loss():
     model = _gpt(num_moe_experts=4, moe_aux_loss_coeff=0.01, moe_layer_freq=[0, 1], **LLAMA)
     assert isinstance(model.blocks[1].mlp, MoELayer) and not isinstance(model.blocks[0].mlp, MoELayer)
@@ -442,6 +548,11 @@ def test_presets_build_and_spell_as_megatron_flags():
     for flag in ("--swiglu", "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--group-query-attention"):
         assert llama[flag] is True
     assert llama["--num-query-groups"] == 8 and llama["--normalization"] == "RMSNorm"
+    # Exact GELU with biases: Megatron-LM needs its bias-GELU fusion off (the fused kernel is tanh GELU).
+    gpt3_flags = presets.megatron_flags(presets.config("gpt3-175b"))
+    assert gpt3_flags["--no-bias-gelu-fusion"] is True and "--openai-gelu" not in gpt3_flags
+    with pytest.raises(ValueError, match="without biases Megatron-LM always uses the exact GELU"):
+        presets.megatron_flags(GPTConfig(add_bias_linear=False))
     gpt3 = presets.config("gpt3-175b")
     assert gpt3.vocab_size == 50304 and gpt3.hidden_dropout == 0.1
     for name in ("llama3-tiny", "gpt3-tiny", "mixtral-tiny"):

@@ -102,6 +102,50 @@ def test_embedded_gpt_computes_what_megatron_core_computes(pool2, name):
         assert abs(ours - theirs) < 1e-6 and ours >= 0.999, result
 
 
+# -- a bf16 MoE layer and Megatron's --moe-router-dtype ---------------------------------------
+def moe_layer_bf16_worker(rank, world, *, router_dtype, extra):
+    """Our bf16 MoE layer and megatron-core's, same weights and input: outputs and gradients."""
+    cfg = GPTConfig(**SMALL, **LLAMA, num_moe_experts=8, moe_router_topk=2, moe_router_dtype=router_dtype, **extra)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    torch.manual_seed(0)
+    ours = GPT(cfg).to(device, torch.bfloat16)
+    x = torch.randn(SEQ, 3, 32, generator=torch.Generator().manual_seed(3)).to(device, torch.bfloat16)  # (s, b, h)
+    w = torch.randn(SEQ, 3, 32, generator=torch.Generator().manual_seed(4)).to(device)
+    with _mcore_on_cpu():
+        torch.manual_seed(0)
+        theirs = build_mcore_gpt(cfg, allow_cpu=True, params_dtype=torch.bfloat16).to(device, torch.bfloat16)
+        theirs.load_state_dict(to_mcore_state_dict(ours.state_dict(), cfg), strict=False)
+        mine, megatron = ours.blocks[0].mlp, theirs.decoder.layers[0].mlp
+        x_ours, x_theirs = x.transpose(0, 1).clone().requires_grad_(), x.clone().requires_grad_()
+        out_ours, (out_theirs, _) = mine(x_ours).transpose(0, 1), megatron(x_theirs)
+        (out_ours.float() * w).sum().backward()
+        (out_theirs.float() * w).sum().backward()
+    ours_grads = to_mcore_state_dict({f"blocks.0.mlp.{n}": p.grad for n, p in mine.named_parameters()}, cfg)
+    pairs = [(x_ours.grad.transpose(0, 1), x_theirs.grad)]
+    pairs += [(ours_grads[f"decoder.layers.0.mlp.{n}"], p.grad) for n, p in megatron.named_parameters()]
+    # A gradient may differ in its last bf16 bit where the two sum the same products in another
+    # order (their weight-gradient GEMM is transposed): measure it against the tensor's size.
+    grad_rel = max(((a.float() - b.float()).abs().max() / b.float().abs().max()).item() for a, b in pairs)
+    return dict(out_diff=(out_ours.float() - out_theirs.float()).abs().max().item(), grad_rel=grad_rel,
+                their_router_dtype=megatron.config.moe_router_dtype, exact=device.type == "cpu")
+
+
+@pytest.mark.parametrize("router_dtype, extra", [
+    (None, {}), ("fp32", {}), ("fp32", dict(moe_router_topk_scaling_factor=2.5)),
+    ("fp32", dict(moe_router_pre_softmax=True)), ("fp64", dict(moe_aux_loss_coeff=0.1)),
+], ids=["bf16", "fp32", "fp32_scaled", "fp32_pre_softmax", "fp64_aux_loss"])
+def test_bf16_moe_layer_with_router_dtype_is_megatron_cores(pool2, router_dtype, extra):
+    """In bf16 the outputs are megatron-core's bit for bit on the CPU -- the same experts
+    picked, the routing weights in the same dtype where they meet the experts' activations --
+    and every gradient agrees to bf16 rounding. (With a bf16 router, scaling and pre-softmax
+    are left out: megatron-core 0.16.1 rounds the softmax to bf16 before them, the pinned
+    Megatron-LM commit after, as here.)"""
+    result = pool2.run(moe_layer_bf16_worker, router_dtype=router_dtype, extra=extra)[0]
+    assert result["their_router_dtype"] == router_dtype  # the mapping reached megatron-core's config
+    assert result["out_diff"] == 0.0 if result["exact"] else result["out_diff"] < 1e-2, result
+    assert result["grad_rel"] < 2**-8, result
+
+
 def test_build_refuses_what_megatron_core_cannot_run():
     assert mcore_unsupported(GPTConfig(**SMALL)) == []
     with pytest.raises(ValueError, match="apply_layernorm_1p"):

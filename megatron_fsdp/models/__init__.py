@@ -12,6 +12,7 @@ from .config import (
     PositionEmbeddingType,
     RecomputeGranularity,
     RecomputeMethod,
+    RouterDtype,
     vocab_size_with_padding,
 )
 from .gpt import GPT, gpt_loss
@@ -26,6 +27,7 @@ __all__ = [
     "PositionEmbeddingType",
     "RecomputeGranularity",
     "RecomputeMethod",
+    "RouterDtype",
     "TransformerBlock",
     "expert_device_mesh",
     "gpt_loss",

@@ -10,8 +10,10 @@ shipped:
   0.1. A ``GPTConfig()`` built in a test or the README is then deterministic and
   compares exactly with single-process training; the launcher passes Megatron's
   0.1 defaults through its flags, so ``pretrain_gpt.py`` behaves like Megatron-LM.
-* ``openai_gelu`` (GELU's tanh approximation) defaults to True; Megatron-LM's
-  default is the exact GELU, which the launcher selects unless ``--openai-gelu``.
+* ``openai_gelu`` (GELU's tanh approximation) defaults to True. Megatron-LM picks
+  the GELU flavour through its fused bias-GELU kernel (tanh form, on by default
+  for a GELU MLP with biases; ``--no-bias-gelu-fusion`` or ``--disable-bias-linear``
+  give the exact erf GELU), and the launcher sets the field the same way.
 
 Megatron-LM fills some sizes in during validation and so does ``__post_init__``:
 ``kv_channels``, ``num_query_groups``, ``ffn_hidden_size`` (with ``--swiglu``
@@ -64,6 +66,18 @@ class PositionEmbeddingType(_ParsedEnum):
     """Rotary embeddings applied to queries and keys inside attention (Llama)."""
     NONE = "none"
     """No position information besides the causal mask (NoPE)."""
+
+
+class RouterDtype(_ParsedEnum):
+    """Megatron's ``--moe-router-dtype``: the precision the MoE router computes in."""
+
+    FP32 = "fp32"
+    """Gating linear, top-k, softmax and balancing loss in float32 (DeepSeek-V3's
+    recipes): under bf16 the k largest logits are picked among fp32 values, so
+    near-ties resolve as in an fp32 model instead of by bf16 rounding."""
+    FP64 = "fp64"
+    """Gating linear and top-k in float64; the softmaxes are still taken in fp32 (as
+    Megatron's) and the routing weights handed back in float64."""
 
 
 class RecomputeGranularity(_ParsedEnum):
@@ -131,9 +145,12 @@ class GPTConfig:
     swiglu: bool = False
     """Gated SiLU MLP, silu(x W_gate) * (x W_up), instead of GELU."""
     openai_gelu: bool = True
-    """GELU by its tanh approximation (Megatron's ``--openai-gelu``). True here, as this
-    model always had; Megatron-LM's default is the exact (erf) GELU, so the launcher
-    passes its flag (False unless given)."""
+    """GELU by its tanh approximation (the formula of Megatron's fused bias-GELU
+    kernel) instead of the exact erf GELU. True here, as this model always had. The
+    launcher sets it as Megatron-LM ends up computing: tanh when the bias-GELU fusion
+    is on (its default) and the linear layers have biases, exact otherwise
+    (``--no-bias-gelu-fusion`` / ``--disable-bias-linear``); Megatron-LM never reads
+    its own ``--openai-gelu``."""
     normalization: Union[Normalization, str] = Normalization.LAYER_NORM
     norm_epsilon: float = 1e-5
     apply_layernorm_1p: bool = False
@@ -186,6 +203,12 @@ class GPTConfig:
     experts (its output is added); ``None`` = no shared expert. As in Megatron-core it
     takes no biases, so it needs ``add_bias_linear=False``. Its parameters are dense
     (not expert) parameters."""
+    moe_router_dtype: Union[RouterDtype, str, None] = None
+    """Precision of the router (Megatron's ``--moe-router-dtype``): the gating linear
+    x W^T takes its inputs cast to this dtype, so the logits, the top-k choice, the
+    softmax and the balancing loss are computed in it, and the routing weights stay in
+    it until they scale the experts' activations. ``None``: the tokens' compute dtype
+    (bf16 in a bf16 model), as Megatron. See [Note: router dtype] in moe.py."""
     moe_layer_freq: Union[int, list[int]] = 1
     """Which layers are MoE: every N-th layer (layer i when i % N == 0), or a 0/1 list
     with one entry per layer (Megatron's ``--moe-layer-freq``)."""
@@ -203,6 +226,8 @@ class GPTConfig:
         self.normalization = Normalization.parse(self.normalization, arg_name="normalization")
         self.position_embedding_type = PositionEmbeddingType.parse(
             self.position_embedding_type, arg_name="position_embedding_type")
+        if self.moe_router_dtype is not None:
+            self.moe_router_dtype = RouterDtype.parse(self.moe_router_dtype, arg_name="moe_router_dtype")
         if self.recompute_granularity is not None:
             self.recompute_granularity = RecomputeGranularity.parse(
                 self.recompute_granularity, arg_name="recompute_granularity")

@@ -36,6 +36,16 @@ class InitLinear(nn.Linear):
         if self.bias is not None:
             nn.init.zeros_(self.bias)
 
+    def forward(self, x: torch.Tensor, bias_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """``bias_scale`` (n, 1): x W^T + bias * bias_scale (an MoE expert's routing
+        weight on its bias), rounded once to the GEMM's dtype. Computed here, inside
+        the module's own call, so that module hooks (FSDP units that gather this
+        layer's weights) run around every read of its parameters."""
+        if bias_scale is None or self.bias is None:
+            return super().forward(x)
+        out = F.linear(x, self.weight)
+        return (out + self.bias * bias_scale).to(out.dtype)
+
 
 class InitEmbedding(nn.Embedding):
     """Embedding table ~ N(0, std)."""
@@ -97,11 +107,20 @@ class MLP(nn.Module):
                              std=cfg.init_method_std)
         self.proj = InitLinear(ffn, cfg.hidden_size, bias=cfg.add_bias_linear, std=scaled_init_std(cfg))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, per_token_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """``per_token_scale`` (n,): an MoE expert's routing weights for the n rows of
+        ``x``; the output is then scale * MLP(x), computed as Megatron-core's experts do
+        (the scale multiplies the activation before ``proj`` and the bias after it), so
+        a wider-dtype weight (``moe_router_dtype``) is applied in that dtype and rounded
+        once to the activation's dtype."""
         h = self.fc(x)  # (..., ffn) or (..., 2 * ffn)
         if self.swiglu:
             gate, up = h.chunk(2, dim=-1)
             h = F.silu(gate) * up  # (..., ffn)
         else:
             h = F.gelu(h, approximate=self.gelu_approximate)
-        return self.proj(h)  # (..., hidden)
+        if per_token_scale is None:
+            return self.proj(h)  # (..., hidden)
+        scale = per_token_scale.unsqueeze(-1)  # (n, 1)
+        h = (h * scale).to(h.dtype)
+        return self.proj(h, bias_scale=scale)  # (n, hidden)

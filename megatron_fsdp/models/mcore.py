@@ -63,12 +63,14 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
-def _transformer_config(cfg: GPTConfig, args: argparse.Namespace):
+def _transformer_config(cfg: GPTConfig, args: argparse.Namespace, *, cross_entropy_loss_fusion: bool = False):
     from megatron_fsdp.megatron_core_compat import transformer_config_from_args
 
     changes: dict = {}
+    if cross_entropy_loss_fusion:
+        changes["cross_entropy_loss_fusion"] = True  # megatron-core's own fused loss (bf16 logits gradient)
     if not cfg.swiglu and cfg.openai_gelu:
-        changes["activation_func"] = _gelu_tanh  # Megatron's --openai-gelu
+        changes["activation_func"] = _gelu_tanh  # the formula of Megatron's fused bias-GELU kernel
     if cfg.recompute_granularity is RecomputeGranularity.FULL:
         method, layers = cfg.recompute_plan
         changes.update(recompute_granularity="full", recompute_method=method.value, recompute_num_layers=layers)
@@ -80,15 +82,18 @@ def _transformer_config(cfg: GPTConfig, args: argparse.Namespace):
                        moe_router_pre_softmax=cfg.moe_router_pre_softmax, moe_token_dispatcher_type="allgather",
                        moe_router_topk_scaling_factor=cfg.moe_router_topk_scaling_factor,
                        moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size,
-                       moe_router_load_balancing_type="aux_loss" if cfg.moe_aux_loss_coeff > 0 else "none")
+                       moe_router_load_balancing_type="aux_loss" if cfg.moe_aux_loss_coeff > 0 else "none",
+                       moe_router_dtype=cfg.moe_router_dtype.value if cfg.moe_router_dtype is not None else None)
     config = transformer_config_from_args(args)
     # replace() re-runs TransformerConfig's validation with the added fields.
     return dataclasses.replace(config, **changes) if changes else config
 
 
 def build_mcore_gpt(cfg: GPTConfig, *, seed: int = 1234, params_dtype: torch.dtype = torch.float32,
-                    allow_cpu: bool = False) -> nn.Module:
-    """megatron-core's ``GPTModel`` (local spec) with ``cfg``'s architecture.
+                    allow_cpu: bool = False, cross_entropy_loss_fusion: bool = False) -> nn.Module:
+    """megatron-core's ``GPTModel`` (local spec) with ``cfg``'s architecture
+    (``cross_entropy_loss_fusion``: Megatron-LM's ``--cross-entropy-loss-fusion`` for
+    the loss it computes when given labels).
 
     Needs megatron-core and an initialised ``torch.distributed`` (its parallel state
     is set up for TP = PP = EP = 1 if it is not yet). Weights come from torch's
@@ -112,7 +117,7 @@ def build_mcore_gpt(cfg: GPTConfig, *, seed: int = 1234, params_dtype: torch.dty
 
     ensure_model_parallel_initialized()
     args = mcore_args(cfg, seed=seed, params_dtype=params_dtype)
-    config = _transformer_config(cfg, args)
+    config = _transformer_config(cfg, args, cross_entropy_loss_fusion=cross_entropy_loss_fusion)
     if device.cuda_available() and not tensor_parallel.get_cuda_rng_tracker().is_initialized():
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
     spec = get_gpt_layer_local_spec(num_experts=cfg.num_moe_experts, qk_layernorm=cfg.qk_layernorm,

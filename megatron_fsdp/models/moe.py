@@ -20,6 +20,19 @@ it flows back through the block's output, so megatron_fsdp's per-unit
 pre-backward gather and activation recomputation see nothing unusual. When the
 training loop divides the loss (gradient accumulation over N micro-batches,
 loss scaling), set the same factor with ``GPT.set_moe_aux_loss_scale``.
+
+[Note: router dtype] ``GPTConfig.moe_router_dtype`` (Megatron's
+``--moe-router-dtype``) follows Megatron-core's ``router_gating_linear``: the
+tokens and the router weight are cast to that dtype for the gating GEMM, so the
+logits -- and with them the top-k choice, the softmax and the balancing loss --
+are computed in it (under a bf16 model, an fp32 router picks the experts an fp32
+model would, where bf16 logits would tie or swap near-equal experts). Autocast is
+switched off for that GEMM, or the DDP path's bf16 autocast would undo the cast.
+The backward of the casts hands the gradients back in the tokens' and the weight's
+own dtypes, as Megatron's custom backward does. The routing weights stay in the
+router dtype until they scale an expert's activation inside its MLP (Megatron-core's
+``per_token_scale``): the product is taken in the wider dtype and rounded once to
+the activation's dtype; expert outputs are then summed in the tokens' dtype.
 """
 
 from __future__ import annotations
@@ -29,8 +42,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..marks import is_expert_param
-from .config import GPTConfig
+from .config import GPTConfig, RouterDtype
 from .layers import MLP
+
+_ROUTER_DTYPES = {RouterDtype.FP32: torch.float32, RouterDtype.FP64: torch.float64}
 
 
 def mark_expert_parameters(module: nn.Module) -> None:
@@ -52,17 +67,22 @@ def expert_device_mesh(device_type: str):
     return build_default_mesh(device_type)
 
 
-def route(logits: torch.Tensor, topk: int, pre_softmax: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, topk: int, pre_softmax: bool = False,
+          scaling_factor: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits (n, E) -> probs (n, k), expert indices (n, k).
 
     Megatron's default: pick the k largest logits, softmax over those k (each token's
     weights sum to 1). ``pre_softmax``: softmax over all E, then pick the k largest
-    probabilities without renormalising. Softmax in fp32, probs in the logits' dtype."""
+    probabilities without renormalising. The choice is made in the logits' dtype (the
+    router dtype); softmax and ``scaling_factor`` in fp32, then probs in the logits'
+    dtype -- Megatron-core's order, so a bf16 router rounds the scaled weight once."""
     if pre_softmax:
         probs, indices = torch.softmax(logits, dim=-1, dtype=torch.float32).topk(topk, dim=-1)
     else:
         top_logits, indices = logits.topk(topk, dim=-1)
         probs = torch.softmax(top_logits, dim=-1, dtype=torch.float32)
+    if scaling_factor is not None:
+        probs = probs * scaling_factor
     return probs.type_as(logits), indices
 
 
@@ -99,19 +119,31 @@ class _AttachAuxLoss(torch.autograd.Function):
 
 
 class TopKRouter(nn.Module):
-    """Scores every token against every expert: logits = x W^T, W ~ N(0, std), no bias."""
+    """Scores every token against every expert: logits = x W^T + b, W ~ N(0, std), in
+    ``cfg.moe_router_dtype`` when set (see [Note: router dtype]). As Megatron-core's
+    router, it has a bias exactly when the model's linear layers do
+    (``add_bias_linear``), drawn from the same N(0, std) as the weight, not zeroed."""
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.std = cfg.init_method_std
+        self.router_dtype: torch.dtype | None = _ROUTER_DTYPES.get(cfg.moe_router_dtype)
+        """Dtype of the gating GEMM and of everything routed from its logits; None: the tokens'."""
         self.weight = nn.Parameter(torch.empty(cfg.num_moe_experts, cfg.hidden_size))  # (E, hidden)
+        self.bias = nn.Parameter(torch.empty(cfg.num_moe_experts)) if cfg.add_bias_linear else None  # (E,)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         nn.init.normal_(self.weight, mean=0.0, std=self.std)
+        if self.bias is not None:
+            nn.init.normal_(self.bias, mean=0.0, std=self.std)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return F.linear(tokens, self.weight)  # (n, hidden) -> (n, E)
+        if self.router_dtype is None:
+            return F.linear(tokens, self.weight, self.bias)  # (n, hidden) -> (n, E), the tokens' compute dtype
+        bias = None if self.bias is None else self.bias.to(self.router_dtype)
+        with torch.autocast(device_type=tokens.device.type, enabled=False):
+            return F.linear(tokens.to(self.router_dtype), self.weight.to(self.router_dtype), bias)  # (n, E)
 
 
 class MoELayer(nn.Module):
@@ -137,16 +169,17 @@ class MoELayer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])  # (n, hidden), n = b * t
-        logits = self.router(tokens)  # (n, E)
-        probs, indices = route(logits, self.topk, self.pre_softmax)  # (n, k), (n, k)
-        if self.scaling_factor is not None:
-            probs = probs * self.scaling_factor
-        out = torch.zeros_like(tokens)
+        logits = self.router(tokens)  # (n, E), in the router dtype
+        probs, indices = route(logits, self.topk, self.pre_softmax, self.scaling_factor)  # (n, k), (n, k)
+        out = None
         for e, expert in enumerate(self.experts):
             # Every expert runs, on zero tokens if need be: its gradient is then an
             # explicit zero rather than missing, the same on every rank.
             rows, slot = (indices == e).nonzero(as_tuple=True)  # tokens routed to e, and which of their k picks
-            out = out.index_add(0, rows, expert(tokens[rows]) * probs[rows, slot].unsqueeze(-1))
+            routed = expert(tokens[rows], per_token_scale=probs[rows, slot])  # (m, hidden), weighted
+            if out is None:  # summed in the experts' output dtype, which autocast may make differ from x's
+                out = tokens.new_zeros(tokens.shape, dtype=routed.dtype)
+            out = out.index_add(0, rows, routed)
         if hasattr(self, "shared_experts"):
             out = out + self.shared_experts(tokens)
         out = out.view_as(x)  # (b, t, hidden)

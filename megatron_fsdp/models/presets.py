@@ -75,7 +75,12 @@ def config(name: str, **overrides: Any) -> GPTConfig:
 def megatron_flags(cfg: GPTConfig) -> dict[str, Any]:
     """``cfg`` as Megatron-LM arguments (``{"--num-layers": 32, "--swiglu": True, ...}``):
     what a launch script or a YAML ``MODEL_ARGS`` block says for this model. Switches
-    appear only when on; ``--group-query-attention`` when query groups < heads."""
+    appear only when on; ``--group-query-attention`` when query groups < heads. The
+    GELU flavour is spelt as Megatron-LM decides it (``--no-bias-gelu-fusion`` for the
+    exact GELU with biases; see ``training.model_setup.megatron_gelu_is_tanh``)."""
+    if not cfg.swiglu and not cfg.add_bias_linear and cfg.openai_gelu:
+        raise ValueError("a tanh-GELU MLP without biases (openai_gelu=True, add_bias_linear=False) has no Megatron-LM "
+                         "flags: without biases Megatron-LM always uses the exact GELU; set openai_gelu=False")
     flags: dict[str, Any] = {
         "--num-layers": cfg.num_layers,
         "--hidden-size": cfg.hidden_size,
@@ -101,7 +106,7 @@ def megatron_flags(cfg: GPTConfig) -> dict[str, Any]:
         "--disable-bias-linear": not cfg.add_bias_linear,
         "--qk-layernorm": cfg.qk_layernorm,
         "--apply-layernorm-1p": cfg.apply_layernorm_1p,
-        "--openai-gelu": cfg.openai_gelu and not cfg.swiglu,
+        "--no-bias-gelu-fusion": not cfg.swiglu and cfg.add_bias_linear and not cfg.openai_gelu,
         "--moe-router-pre-softmax": cfg.num_moe_experts is not None and cfg.moe_router_pre_softmax,
     }
     flags.update({flag: True for flag, on in switches.items() if on})

@@ -22,6 +22,11 @@ from .arguments import LRDecayStyle
 
 logger = logging.getLogger(__name__)
 
+_CHECKPOINTED_SETTINGS = ("max_lr", "min_lr", "warmup_steps", "decay_steps", "style")
+"""What Megatron-LM's OptimizerParamScheduler takes back from a checkpoint under
+--use-checkpoint-opt_param-scheduler (it does not save the warmup's start LR or the
+clock's unit, so those stay the command line's)."""
+
 
 @dataclasses.dataclass(kw_only=True)
 class LRSchedule:
@@ -86,13 +91,22 @@ class LRSchedule:
     def state_dict(self) -> dict:
         return dataclasses.asdict(self) | {"style": self.style.value}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, *, use_checkpoint_settings: bool = False) -> None:
+        """Restore the clock. A setting that differs from the command line is warned
+        about and the command line's is kept (what Megatron-LM does with
+        ``--override-opt_param-scheduler``; without it Megatron-LM refuses the
+        mismatch). ``use_checkpoint_settings`` (``--use-checkpoint-opt_param-scheduler``)
+        adopts the checkpoint's peak and minimum LR, warmup, decay horizon and decay
+        style instead -- the settings Megatron-LM's scheduler saves and takes back."""
         saved = dict(state, style=LRDecayStyle(state["style"]))
         for key in ("max_lr", "min_lr", "warmup_steps", "decay_steps", "style", "warmup_init", "increment"):
-            if saved[key] != getattr(self, key):
-                # Megatron-LM's default is to trust the command line over the checkpoint; say so.
-                logger.warning(
-                    "lr schedule: checkpoint has %s=%s, the command line %s; using the command line",
-                    key, saved[key], getattr(self, key),
-                )
+            if saved[key] == getattr(self, key):
+                continue
+            if use_checkpoint_settings and key in _CHECKPOINTED_SETTINGS:
+                logger.info("lr schedule: using the checkpoint's %s=%s instead of the command line's %s "
+                            "(--use-checkpoint-opt_param-scheduler)", key, saved[key], getattr(self, key))
+                setattr(self, key, saved[key])
+            else:
+                logger.warning("lr schedule: checkpoint has %s=%s, the command line %s; using the command line",
+                               key, saved[key], getattr(self, key))
         self.num_steps = int(saved["num_steps"])

@@ -140,9 +140,9 @@ MODEL_FLAG_FIELDS = (
     ModelFlag("moe_aux_loss_coeff", "moe_aux_loss_coeff", 0.0),
     ModelFlag("moe_router_pre_softmax", "moe_router_pre_softmax", False),
     ModelFlag("moe_layer_freq", "moe_layer_freq", 1),
-    ModelFlag("openai_gelu", "openai_gelu", True),
     ModelFlag("moe_router_topk_scaling_factor", "moe_router_topk_scaling_factor", None),
     ModelFlag("moe_shared_expert_intermediate_size", "moe_shared_expert_intermediate_size", None),
+    ModelFlag("moe_router_dtype", "moe_router_dtype", None),
 )
 # Older GPTConfig spellings of the same settings.
 _LEGACY_FIELDS = {"untie_embeddings_and_output_weights": ("tie_embeddings", lambda v: not v),
@@ -162,7 +162,8 @@ def _baseline_ok(flag: ModelFlag, args) -> bool:
     if flag.dest in ("rotary_base", "rotary_percent"):
         return args.position_embedding_type != "rope" or value == flag.baseline
     if flag.dest in ("moe_router_topk", "moe_ffn_hidden_size", "moe_aux_loss_coeff", "moe_router_pre_softmax",
-                     "moe_layer_freq", "moe_router_topk_scaling_factor", "moe_shared_expert_intermediate_size"):
+                     "moe_layer_freq", "moe_router_topk_scaling_factor", "moe_shared_expert_intermediate_size",
+                     "moe_router_dtype"):
         return args.num_experts is None or value == flag.baseline
     if isinstance(value, list):
         value = value[0]
@@ -202,7 +203,20 @@ def gpt_config_from_args(args) -> GPTConfig:
         elif flag.field in _LEGACY_FIELDS and _LEGACY_FIELDS[flag.field][0] in fields:
             legacy, convert = _LEGACY_FIELDS[flag.field]
             kwargs[legacy] = convert(value)
+    if "openai_gelu" in fields:
+        kwargs["openai_gelu"] = megatron_gelu_is_tanh(args)
     return GPTConfig(**kwargs)
+
+
+def megatron_gelu_is_tanh(args) -> bool:
+    """Whether Megatron-LM's GELU MLP computes the tanh approximation for these flags.
+
+    Its MLP applies GELU through the fused bias-GELU kernel, whose formula is the tanh
+    approximation, whenever that fusion is on (the default; ``--no-bias-gelu-fusion``
+    turns it off) and fc1 has a bias (``--disable-bias-linear`` turns the fusion off);
+    otherwise it calls torch's exact erf GELU. Megatron-LM parses ``--openai-gelu`` but
+    never reads it, so it plays no part. Irrelevant with ``--swiglu``."""
+    return bool(args.bias_gelu_fusion and args.add_bias_linear)
 
 
 def _build_embedded_gpt(args, device: torch.device):
@@ -217,16 +231,37 @@ def _build_embedded_gpt(args, device: torch.device):
     else:
         module = GPT(cfg).to(device)
 
+    bf16_logits_grad = args.cross_entropy_loss_fusion
+
     def loss_fn_factory(model: nn.Module) -> LossFn:
         def loss_fn(inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int]:
-            logits = model(inputs)  # (b, t, vocab)
             # Loss in fp32 whatever the compute dtype: a bf16 log-softmax over 256+ classes is coarse.
-            loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="sum")
+            logits = model(inputs).float()  # (b, t, vocab)
+            if bf16_logits_grad:
+                logits = LogitsGradInBF16.apply(logits)
+            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="sum")
             return loss, targets.numel()
 
         return loss_fn
 
     return module, loss_fn_factory, [TransformerBlock]
+
+
+class LogitsGradInBF16(torch.autograd.Function):
+    """Identity in forward; backward rounds the logits' gradient to bf16 (then back to
+    its dtype). Megatron-LM's ``--cross-entropy-loss-fusion`` (its native fused kernel,
+    the only implementation it allows) computes the loss in fp32 as the unfused path
+    does, but returns the logits' gradient cast to bf16 whatever the model's dtype:
+    a no-op for a bf16 model, a precision loss for fp32 and fp16 models that this
+    reproduces."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor) -> torch.Tensor:
+        return logits.view_as(logits)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.to(torch.bfloat16).to(grad.dtype)
 
 
 def _materialize(module: nn.Module, device: torch.device) -> nn.Module:
@@ -254,7 +289,8 @@ def _build_mcore_model(args, device: torch.device):
 
     torch.manual_seed(args.seed)
     module = mcore_models.build_mcore_gpt(gpt_config_from_args(args), seed=args.seed,
-                                          params_dtype=_PRECISION_DTYPES[args.precision])
+                                          params_dtype=_PRECISION_DTYPES[args.precision],
+                                          cross_entropy_loss_fusion=args.cross_entropy_loss_fusion)
     if not args.init_model_with_meta_device:
         module = module.to(device)
 

@@ -455,6 +455,12 @@ def derive_fields(args: argparse.Namespace, world_size: int) -> None:
     if isinstance(args.moe_aux_loss_coeff, list):
         args.moe_aux_loss_coeff = args.moe_aux_loss_coeff[0]
     args.moe_layer_freq = parse_layer_freq(args.moe_layer_freq)
+    if args.num_experts is not None and not args.swiglu and args.add_bias_linear and args.bias_gelu_fusion:
+        # Megatron-core's experts raise "Only support fusion of swiglu and quick_gelu ..." here.
+        warnings.append("--num-experts with a GELU MLP with biases and the bias-GELU fusion on: Megatron-LM refuses "
+                        "this (its fused bias-GELU kernel takes no routing weights); here every MLP, experts "
+                        "included, uses that kernel's tanh GELU. Add --no-bias-gelu-fusion for the exact GELU that "
+                        "Megatron-LM then runs (or --swiglu)")
     if args.grad_reduce_in_bf16 and args.megatron_fsdp_grad_comm_dtype == "auto":
         args.megatron_fsdp_grad_comm_dtype = "bf16"
     args.split = args.split.strip().strip("'\"")
