@@ -46,7 +46,7 @@ from megatron_fsdp.training import tensorboard as dashboards_mod
 from megatron_fsdp.training.exit_conditions import ExitConditions
 from megatron_fsdp.training.timers import Timers
 from megatron_fsdp.training.loss_scaler import LossScaler
-from megatron_fsdp.training.lr_schedule import LRSchedule
+from megatron_fsdp.training.lr_schedule import LRSchedule, ScheduleResume
 from megatron_fsdp.training.model_setup import setup_model_and_optimizer
 from megatron_fsdp.training.plot import plot_loss_curve
 from megatron_fsdp.training.training_step import StepContext, TrainState, evaluate, train_step
@@ -106,7 +106,7 @@ def restore(args, ctx: StepContext, state: TrainState) -> None:
         logger.info("> --finetune: loaded the weights only; iteration, schedule and optimizer start fresh")
         return
     state.load_state_dict(extra["train_state"])
-    ctx.schedule.load_state_dict(extra["lr_schedule"], use_checkpoint_settings=args.use_checkpoint_opt_param_scheduler)
+    ctx.schedule.load_state_dict(extra["lr_schedule"], resume=ScheduleResume.from_args(args))
     if ctx.scaler is not None and extra.get("loss_scaler"):
         ctx.scaler.load_state_dict(extra["loss_scaler"])
     if not args.no_load_rng:

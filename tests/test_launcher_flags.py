@@ -572,12 +572,24 @@ def test_use_checkpoint_opt_param_scheduler_takes_the_checkpoints_schedule(tmp_p
     extra = {"train_state": TrainState().state_dict(), "lr_schedule": saved.state_dict(), "rng": None}
     monkeypatch.setattr(checkpointing, "load", lambda *args, **kwargs: extra)
     resumed = {}
-    for flags in ([], ["--use-checkpoint-opt-param-scheduler"]):  # Megatron-LM's alias spelling
-        args = _parse(["--load", str(tmp_path), "--no-load-rng", *flags])
+    for flag in ("", "--use-checkpoint-opt-param-scheduler", "--override-opt_param-scheduler"):  # alias spellings
+        args = _parse(["--load", str(tmp_path), "--no-load-rng", *([flag] if flag else [])])
+        schedule = LRSchedule.from_args(args)
         ctx = types.SimpleNamespace(bundle=types.SimpleNamespace(model=None, optimizer=None), scaler=None,
-                                    schedule=LRSchedule.from_args(args), device=torch.device("cpu"))
+                                    schedule=schedule, device=torch.device("cpu"))
+        if not flag:  # Megatron-LM's default refuses a resume whose schedule differs
+            before = schedule.state_dict()
+            with pytest.raises(ValueError, match=r"max_lr: checkpoint 0.001, command line 0.003.*"
+                                                 r"--override-opt_param-scheduler.*--use-checkpoint-opt_param-scheduler"):
+                script.restore(args, ctx, TrainState())
+            assert schedule.state_dict() == before  # nothing half-restored
+            continue
         script.restore(args, ctx, TrainState())
-        resumed[bool(flags)] = ctx.schedule
-    assert resumed[True].num_steps == resumed[False].num_steps == 6
-    assert resumed[True].current_lr == saved.current_lr  # the checkpoint's lr 1e-3, cosine over 20
-    assert (resumed[False].max_lr, resumed[False].decay_steps) == (3e-3, 8)  # the command line's, as before
+        resumed[flag] = ctx.schedule
+    checkpoint, command_line = resumed["--use-checkpoint-opt-param-scheduler"], resumed["--override-opt_param-scheduler"]
+    assert checkpoint.num_steps == command_line.num_steps == 6
+    assert checkpoint.current_lr == saved.current_lr  # the checkpoint's lr 1e-3, cosine over 20
+    assert (command_line.max_lr, command_line.decay_steps) == (3e-3, 8)  # the command line's
+    with pytest.raises(ArgumentError, match="--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler "
+                                            "are exclusive"):
+        _parse(["--use-checkpoint-opt_param-scheduler", "--override-opt_param-scheduler"])

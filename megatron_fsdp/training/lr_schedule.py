@@ -13,6 +13,7 @@ counter (plus the settings, to catch a resume with a different schedule).
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 import math
 
@@ -23,9 +24,27 @@ from .arguments import LRDecayStyle
 logger = logging.getLogger(__name__)
 
 _CHECKPOINTED_SETTINGS = ("max_lr", "min_lr", "warmup_steps", "decay_steps", "style")
-"""What Megatron-LM's OptimizerParamScheduler takes back from a checkpoint under
---use-checkpoint-opt_param-scheduler (it does not save the warmup's start LR or the
-clock's unit, so those stay the command line's)."""
+"""The settings Megatron-LM's OptimizerParamScheduler saves and checks on resume (it
+does not save the warmup's start LR or the clock's unit, so a difference there is
+only warned about and the command line's stays)."""
+
+
+class ScheduleResume(enum.Enum):
+    """What a resume does when the checkpoint's schedule settings differ from the
+    command line's, as Megatron-LM's ``OptimizerParamScheduler``."""
+
+    REFUSE = "refuse"
+    """Megatron-LM's default: a difference is an error (naming both flags below)."""
+    CHECKPOINT = "checkpoint"
+    """``--use-checkpoint-opt_param-scheduler``: the checkpoint's settings win."""
+    COMMAND_LINE = "command_line"
+    """``--override-opt_param-scheduler``: the command line's settings win."""
+
+    @classmethod
+    def from_args(cls, args) -> "ScheduleResume":
+        if args.override_opt_param_scheduler:
+            return cls.COMMAND_LINE
+        return cls.CHECKPOINT if args.use_checkpoint_opt_param_scheduler else cls.REFUSE
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -91,22 +110,28 @@ class LRSchedule:
     def state_dict(self) -> dict:
         return dataclasses.asdict(self) | {"style": self.style.value}
 
-    def load_state_dict(self, state: dict, *, use_checkpoint_settings: bool = False) -> None:
-        """Restore the clock. A setting that differs from the command line is warned
-        about and the command line's is kept (what Megatron-LM does with
-        ``--override-opt_param-scheduler``; without it Megatron-LM refuses the
-        mismatch). ``use_checkpoint_settings`` (``--use-checkpoint-opt_param-scheduler``)
-        adopts the checkpoint's peak and minimum LR, warmup, decay horizon and decay
-        style instead -- the settings Megatron-LM's scheduler saves and takes back."""
+    def load_state_dict(self, state: dict, *, resume: ScheduleResume = ScheduleResume.REFUSE) -> None:
+        """Restore the clock. Settings that differ from the command line are handled
+        as ``resume`` says, all checked before anything changes."""
         saved = dict(state, style=LRDecayStyle(state["style"]))
-        for key in ("max_lr", "min_lr", "warmup_steps", "decay_steps", "style", "warmup_init", "increment"):
-            if saved[key] == getattr(self, key):
-                continue
-            if use_checkpoint_settings and key in _CHECKPOINTED_SETTINGS:
+        differing = [key for key in _CHECKPOINTED_SETTINGS if saved[key] != getattr(self, key)]
+        if differing and resume is ScheduleResume.REFUSE:
+            listed = ", ".join(f"{key}: checkpoint {saved[key]}, command line {getattr(self, key)}" for key in differing)
+            raise ValueError(
+                f"the checkpoint's learning-rate schedule differs from the command line's ({listed}); Megatron-LM "
+                "refuses this resume too. Fix: give the checkpoint's values, or pass --override-opt_param-scheduler "
+                "(the command line's schedule wins) or --use-checkpoint-opt_param-scheduler (the checkpoint's wins)"
+            )
+        for key in differing:
+            if resume is ScheduleResume.CHECKPOINT:
                 logger.info("lr schedule: using the checkpoint's %s=%s instead of the command line's %s "
                             "(--use-checkpoint-opt_param-scheduler)", key, saved[key], getattr(self, key))
                 setattr(self, key, saved[key])
             else:
+                logger.info("lr schedule: using the command line's %s=%s instead of the checkpoint's %s "
+                            "(--override-opt_param-scheduler)", key, getattr(self, key), saved[key])
+        for key in ("warmup_init", "increment"):  # not in Megatron-LM's checkpoint: the command line's
+            if saved[key] != getattr(self, key):
                 logger.warning("lr schedule: checkpoint has %s=%s, the command line %s; using the command line",
                                key, saved[key], getattr(self, key))
         self.num_steps = int(saved["num_steps"])

@@ -264,6 +264,9 @@ def _schedule(args, world_size) -> list[str]:
             problems.append(f"--{name.replace('_', '-')}={getattr(args, name)} must be positive")
     if args.clip_grad < 0:
         problems.append(f"--clip-grad={args.clip_grad} must be >= 0 (0 disables clipping)")
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        problems.append("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler are exclusive "
+                        "(Megatron-LM's rule): the command line's schedule or the checkpoint's; keep one")
     return problems
 
 
