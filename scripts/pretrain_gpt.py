@@ -114,9 +114,12 @@ def restore(args, ctx: StepContext, state: TrainState) -> None:
 
 
 def maybe_evaluate(args, ctx, state, valid_src, metrics, dash) -> None:
+    """Megatron-LM's evaluation: the next --eval-iters global batches of the validation
+    split (each evaluation moves on; the position is checkpointed with the progress)."""
     if valid_src is None or args.eval_iters == 0:
         return
-    loss = evaluate(ctx, valid_src, args.eval_iters)
+    loss = evaluate(ctx, valid_src, args.eval_iters, state.consumed_valid_samples)
+    state.consumed_valid_samples += args.eval_iters * args.global_batch_size
     log_validation(state.iteration, loss)
     metrics.validation.append((state.iteration, loss))
     dashboards_mod.write_validation_scalars(dash, args, loss, validation_ppl(loss), state.iteration,
@@ -169,8 +172,9 @@ def log_iteration(args, ctx, state, result, stats, flops, dash) -> None:
 
 
 def train(args, ctx: StepContext, state: TrainState, train_src, valid_src, metrics: MetricsRecorder,
-          dash) -> Saver:
-    """Run iterations until the budget (or an exit condition); returns the saver."""
+          dash) -> tuple[Saver, bool]:
+    """Run iterations until the budget (or an exit condition); returns the saver and
+    whether an exit condition (--exit-interval, --exit-duration-in-mins, a signal) ended it."""
     flops = flops_per_iteration(args, ctx.bundle.num_parameters)
     stats = IntervalStats()
     memory_reports = 0
@@ -232,9 +236,10 @@ def train(args, ctx: StepContext, state: TrainState, train_src, valid_src, metri
             if args.save and saver.last_saved != state.iteration:
                 saver.save(state)
             logger.info("exiting program at iteration %d (%s)", state.iteration, reason)
-            break
+            exits.close()
+            return saver, True
     exits.close()
-    return saver
+    return saver, False
 
 
 def run(args, device: torch.device) -> int:
@@ -260,12 +265,15 @@ def run(args, device: torch.device) -> int:
     metrics = MetricsRecorder()
     dash = dashboards_mod.build_dashboards(args, dist.get_rank())
     start_iteration = state.iteration
-    saver = train(args, ctx, state, train_src, valid_src, metrics, dash)
+    saver, exited_early = train(args, ctx, state, train_src, valid_src, metrics, dash)
 
     if args.save and state.iteration > start_iteration and saver.last_saved != state.iteration:
         saver.save(state)
     saver.finalize()
-    if args.eval_iters and state.iteration % args.eval_interval != 0 and state.iteration > start_iteration:
+    # Megatron-LM evaluates once more after the last iteration, even right after an
+    # --eval-interval evaluation (on the next validation batches), but not after an exit
+    # condition (it leaves at once).
+    if args.eval_iters and not exited_early:
         maybe_evaluate(args, ctx, state, valid_src, metrics, dash)
     dash.close()
     if dist.get_rank() == 0:

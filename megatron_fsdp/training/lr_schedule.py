@@ -51,7 +51,9 @@ class ScheduleResume(enum.Enum):
 class LRSchedule:
     max_lr: float
     min_lr: float
-    warmup_steps: int
+    warmup_steps: float
+    """Clock units of linear warmup. Fractional with ``--lr-warmup-fraction`` (Megatron-LM
+    keeps fraction x decay horizon unrounded)."""
     decay_steps: int
     style: LRDecayStyle
     warmup_init: float = 0.0
@@ -77,11 +79,14 @@ class LRSchedule:
             return self.warmup_init + (self.max_lr - self.warmup_init) * step / self.warmup_steps
         if self.style is LRDecayStyle.CONSTANT:
             return self.max_lr
-        if self.style is LRDecayStyle.INVERSE_SQUARE_ROOT:
-            warmup = max(self.warmup_steps, 1)
-            return max(self.min_lr, self.max_lr * math.sqrt(warmup) / math.sqrt(max(step, 1)))
+        # Past the decay horizon every decaying style sits at min_lr, inverse-square-root
+        # included: Megatron-LM tests the horizon before that style's formula, so its
+        # 1/sqrt(step) tail is cut off at --lr-decay-iters/--lr-decay-samples.
         if step > self.decay_steps:
             return self.min_lr
+        if self.style is LRDecayStyle.INVERSE_SQUARE_ROOT:
+            warmup = max(self.warmup_steps, 1)
+            return max(self.min_lr, self.max_lr * warmup**0.5 / max(step, 1)**0.5)
         ratio = (step - self.warmup_steps) / (self.decay_steps - self.warmup_steps)
         match self.style:
             case LRDecayStyle.LINEAR:

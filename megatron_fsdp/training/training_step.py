@@ -37,6 +37,9 @@ class TrainState:
 
     iteration: int = 0
     consumed_train_samples: int = 0
+    consumed_valid_samples: int = 0
+    """Validation samples evaluated so far: as Megatron-LM, each evaluation reads the
+    next ``--eval-iters`` global batches of the validation split, not the first ones again."""
     floating_point_operations_so_far: float = 0.0
 
     def state_dict(self) -> dict:
@@ -44,7 +47,12 @@ class TrainState:
 
     def load_state_dict(self, state: dict) -> None:
         for field in dataclasses.fields(self):
-            setattr(self, field.name, state[field.name])
+            if field.name == "consumed_valid_samples":
+                # Checkpoints written before this field existed: 0, as Megatron-LM reads a
+                # checkpoint without it.
+                setattr(self, field.name, state.get(field.name, 0))
+            else:
+                setattr(self, field.name, state[field.name])
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -277,13 +285,14 @@ def train_step(ctx: StepContext, state: TrainState, source: SampleSource) -> Ste
 
 
 @torch.no_grad()
-def evaluate(ctx: StepContext, source: SampleSource, eval_iters: int) -> float:
-    """Mean token loss over ``eval_iters`` global batches from the start of ``source``
-    (losses summed on the device, read once at the end)."""
+def evaluate(ctx: StepContext, source: SampleSource, eval_iters: int, consumed_samples: int = 0) -> float:
+    """Mean token loss over ``eval_iters`` global batches of ``source`` starting at sample
+    ``consumed_samples`` (``TrainState.consumed_valid_samples``; losses summed on the
+    device, read once at the end)."""
     loss_total = torch.zeros((), dtype=torch.float64, device=ctx.device)
     tokens_total = 0
     for it in range(eval_iters):
-        consumed = it * ctx.layout.global_batch_size
+        consumed = consumed_samples + it * ctx.layout.global_batch_size
         for m in range(ctx.layout.num_microbatches):
             inputs, targets = get_microbatch(source, ctx.layout, consumed, m, ctx.device)
             with ctx.bundle.forward_context(ctx.device):

@@ -18,6 +18,7 @@ import os
 
 from .. import device as device_mod
 from ..enums import ShardingStrategy
+from ..models.config import megatron_swiglu_ffn_hidden_size
 from .arg_types import BYTE_VOCAB_SIZE, LRDecayStyle, Precision, TokenizerType
 from .flag_table import FlagSpec, FlagStatus
 
@@ -94,6 +95,9 @@ def _model_shape(args, world_size) -> list[str]:
         problems.append(f"--hidden-size={args.hidden_size} is not divisible by --num-attention-heads="
                         f"{args.num_attention_heads}; pick a head count that divides the hidden size "
                         "(or set --kv-channels)")
+    if args.swiglu and args.ffn_hidden_size is None and megatron_swiglu_ffn_hidden_size(args.hidden_size) == 0:
+        problems.append(f"--swiglu with --hidden-size={args.hidden_size} and no --ffn-hidden-size: Megatron-LM's "
+                        "default (2/3 x 4 x hidden, rounded down to a multiple of 64) is 0; pass --ffn-hidden-size")
     if args.seq_length is not None and args.max_position_embeddings is not None:
         if args.position_embedding_type == "learned_absolute" and args.max_position_embeddings < args.seq_length:
             problems.append(f"--max-position-embeddings={args.max_position_embeddings} is smaller than "
@@ -406,7 +410,8 @@ class ScheduleUnits:
     """The LR schedule's clock (Megatron-LM's OptimizerParamScheduler): iterations,
     or samples with ``increment`` = global batch size per step."""
 
-    warmup_steps: int
+    warmup_steps: float
+    """Fractional with ``--lr-warmup-fraction``: Megatron-LM does not round fraction x horizon."""
     decay_steps: int
     increment: int
     unit: str
@@ -422,7 +427,9 @@ def derive_schedule(args) -> ScheduleUnits:
         warmup = args.lr_warmup_iters
         increment, unit = 1, "iterations"
     if args.lr_warmup_fraction is not None:
-        warmup = int(args.lr_warmup_fraction * decay)
+        # Unrounded, as Megatron-LM: 0.01 x 150 iterations is a warmup of 1.5 iterations
+        # (its clock counts samples, 12 of 1200 at a global batch of 8), not of 1.
+        warmup = args.lr_warmup_fraction * decay
     return ScheduleUnits(warmup_steps=warmup, decay_steps=decay, increment=increment, unit=unit)
 
 
@@ -445,7 +452,10 @@ def derive_fields(args: argparse.Namespace, world_size: int) -> None:
         # Megatron-LM turns the distributed optimizer on itself (and warns).
         args.use_distributed_optimizer = True
     if args.ffn_hidden_size is None:
-        args.ffn_hidden_size = 4 * args.hidden_size
+        # Megatron-LM's default: 4 x hidden, or with --swiglu two thirds of it rounded
+        # down to a multiple of 64 (the gate doubles the first projection).
+        args.ffn_hidden_size = (megatron_swiglu_ffn_hidden_size(args.hidden_size) if args.swiglu
+                                else 4 * args.hidden_size)
     if args.kv_channels is None:
         args.kv_channels = args.hidden_size // args.num_attention_heads
     if not args.group_query_attention:
@@ -476,10 +486,10 @@ def derive_fields(args: argparse.Namespace, world_size: int) -> None:
                                else TokenizerType.BYTE.value)
     if args.tokenizer_type == TokenizerType.BYTE.value:
         args.vocab_size = BYTE_VOCAB_SIZE
-    # Megatron-LM's NullTokenizer adds an end-of-document token after the vocabulary.
-    tokenizer_vocab = args.vocab_size + 1 if args.tokenizer_type == TokenizerType.NULL.value else args.vocab_size
-    args.padded_vocab_size = (padded_vocab_size(tokenizer_vocab, args.make_vocab_size_divisible_by)
-                              if tokenizer_vocab is not None else None)
+    # Megatron-LM's NullTokenizer (megatron.core.tokenizers) has exactly --vocab-size ids,
+    # its end-of-document token being the last of them (the legacy one added an id after).
+    args.padded_vocab_size = (padded_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by)
+                              if args.vocab_size is not None else None)
     if args.plot_path is not None and args.plot_path.lower() == "none":
         args.plot_path = None
     # Megatron-LM: dynamic loss scaling treats Inf/NaN gradients as a signal, not an error.

@@ -1,0 +1,172 @@
+"""Launcher defaults and flag meanings that change the numbers of a run, checked
+against Megatron-LM's behaviour at the pinned commit (flag_data/megatron_lm_flags.csv):
+each test names the Megatron-LM source it mirrors and fails on the launcher's
+former behaviour. No process group, no subprocess.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_fsdp.training.arg_types import LRDecayStyle
+from megatron_fsdp.training.arguments import ArgumentError, parse_args
+from megatron_fsdp.training.lr_schedule import LRSchedule
+
+REPO = Path(__file__).resolve().parents[1]
+BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
+        "--micro-batch-size 2 --lr 3e-3").split()
+
+
+def _parse(extra: list[str], world_size: int = 2, iters=("--train-iters", "8")):
+    return parse_args([*BASE, *iters, *extra], world_size=world_size)
+
+
+def _megatron_lr(num_steps: float, *, max_lr, min_lr, warmup, decay, style, init_lr=0.0) -> float:
+    """OptimizerParamScheduler.get_lr (megatron/core/optimizer_param_scheduler.py) for the
+    styles the launcher accepts, written from its rules: warmup, constant, the decay
+    horizon, then the style's formula."""
+    if warmup > 0 and num_steps <= warmup:
+        return init_lr + (max_lr - init_lr) * num_steps / warmup
+    if style == "constant":
+        return max_lr
+    if num_steps > decay:
+        return min_lr
+    if style == "inverse-square-root":
+        return max(min_lr, max_lr * max(warmup, 1) ** 0.5 / max(num_steps, 1) ** 0.5)
+    ratio = (num_steps - warmup) / (decay - warmup)
+    coeff = 1.0 - ratio if style == "linear" else 0.5 * (math.cos(math.pi * ratio) + 1.0)
+    return min_lr + coeff * (max_lr - min_lr)
+
+
+# -- learning-rate schedule ----------------------------------------------------------------
+def test_inverse_square_root_reaches_min_lr_after_the_decay_horizon():
+    # Megatron-LM checks `num_steps > lr_decay_steps` before the inverse-square-root
+    # formula: the tail is cut to min_lr (the launcher used to keep decaying as 1/sqrt).
+    sched = LRSchedule(max_lr=1.0, min_lr=0.01, warmup_steps=4, decay_steps=16, style=LRDecayStyle.INVERSE_SQUARE_ROOT)
+    assert sched.lr_at(16) == pytest.approx(0.5)  # sqrt(4 / 16), still inside the horizon
+    assert sched.lr_at(17) == 0.01  # not sqrt(4 / 17) = 0.485
+    assert sched.lr_at(1000) == 0.01
+
+
+@pytest.mark.parametrize("style", ["constant", "linear", "cosine", "inverse-square-root"])
+def test_schedule_follows_megatron_lm_step_by_step(style):
+    # Megatron-LM's clock counts samples in iteration-based training (decay = iters x global batch).
+    args = _parse(["--global-batch-size", "16", "--lr-decay-style", style, "--lr-warmup-iters", "3",
+                   "--lr-decay-iters", "12", "--min-lr", "1e-4", "--lr-warmup-init", "1e-5"],
+                  world_size=1, iters=("--train-iters", "20"))
+    gbs = args.global_batch_size
+    sched = LRSchedule.from_args(args)
+    for it in range(21):
+        expected = _megatron_lr(it * gbs, max_lr=3e-3, min_lr=1e-4, warmup=3 * gbs, decay=12 * gbs, style=style,
+                                init_lr=1e-5)
+        assert sched.lr_at(it) == pytest.approx(expected, rel=1e-12, abs=1e-15), (style, it)
+
+
+def test_lr_warmup_fraction_is_not_rounded():
+    # Megatron-LM: lr_warmup_steps = lr_warmup_fraction * lr_decay_steps, a float (here
+    # 0.01 x 150 x 8 = 12 samples, 1.5 iterations); the launcher used to round it down to 1.
+    args = _parse(["--lr-warmup-fraction", "0.01", "--lr-decay-iters", "150", "--global-batch-size", "8"],
+                  world_size=1, iters=("--train-iters", "150"))
+    sched = LRSchedule.from_args(args)
+    assert sched.warmup_steps == pytest.approx(1.5)
+    for it in (1, 2, 75, 150):
+        expected = _megatron_lr(it * 8, max_lr=3e-3, min_lr=0.0, warmup=0.01 * 150 * 8, decay=150 * 8,
+                                style="linear")
+        assert sched.lr_at(it) == pytest.approx(expected, rel=1e-12), it
+    assert sched.lr_at(1) == pytest.approx(3e-3 / 1.5)
+
+
+# -- model shape defaults ------------------------------------------------------------------
+@pytest.mark.parametrize("hidden, swiglu, expected", [
+    (64, False, 256),
+    (64, True, 128),  # int(4 * 64 * 2/3 / 64) * 64: Megatron-LM's validate_args, not 4 x hidden
+    (96, True, 256),
+    (4096, True, 10880),
+])
+def test_ffn_hidden_size_default_follows_megatron_lm(hidden, swiglu, expected):
+    extra = ["--hidden-size", str(hidden)] + (["--swiglu"] if swiglu else [])
+    assert _parse(extra).ffn_hidden_size == expected
+    assert _parse(extra + ["--ffn-hidden-size", "176"]).ffn_hidden_size == 176  # given: used as is
+
+
+def test_swiglu_default_ffn_of_zero_width_is_an_error():
+    with pytest.raises(ArgumentError, match="--swiglu with --hidden-size=16 and no --ffn-hidden-size"):
+        _parse(["--hidden-size", "16", "--swiglu"])
+
+
+@pytest.mark.parametrize("vocab, padded", [(128, 128), (100, 128), (129, 256)])
+def test_null_tokenizer_vocabulary_is_vocab_size(vocab, padded):
+    # megatron.core's NullTokenizer has --vocab-size ids (end-of-document = the last);
+    # the launcher used to add one, doubling the padded vocabulary at --vocab-size 128.
+    args = _parse(["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab)])
+    assert args.padded_vocab_size == padded
+    from megatron_fsdp.training.tokenizers import build_tokenizer
+
+    tokenizer = build_tokenizer("NullTokenizer", vocab_size=vocab)
+    assert tokenizer.vocab_size == vocab and tokenizer.eod == vocab - 1
+
+
+# -- evaluation ----------------------------------------------------------------------------
+def _load_script():
+    spec = importlib.util.spec_from_file_location("pretrain_gpt_numbers", REPO / "scripts" / "pretrain_gpt.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+def test_each_evaluation_reads_the_next_validation_batches(monkeypatch):
+    # Megatron-LM's validation iterator is not rewound: evaluation k reads batches
+    # [k * eval_iters, (k + 1) * eval_iters) and consumed_valid_samples is checkpointed.
+    from megatron_fsdp.training.training_step import TrainState
+
+    script = _load_script()
+    starts = []
+    monkeypatch.setattr(script, "evaluate", lambda ctx, src, iters, consumed: starts.append(consumed) or 1.0)
+    monkeypatch.setattr(script, "log_validation", lambda *a: None)
+    monkeypatch.setattr(script.dashboards_mod, "write_validation_scalars", lambda *a: None)
+    args = types.SimpleNamespace(eval_iters=3, global_batch_size=8)
+    state = TrainState()
+    metrics = types.SimpleNamespace(validation=[])
+    for _ in range(3):
+        script.maybe_evaluate(args, None, state, object(), metrics, None)
+    assert starts == [0, 24, 48] and state.consumed_valid_samples == 72
+    restored = TrainState()
+    restored.load_state_dict(state.state_dict())
+    assert restored.consumed_valid_samples == 72
+    old = {k: v for k, v in state.state_dict().items() if k != "consumed_valid_samples"}
+    restored.load_state_dict(old)  # a checkpoint from before the field: 0, as Megatron-LM
+    assert restored.consumed_valid_samples == 0
+
+
+def test_evaluate_starts_at_the_consumed_validation_samples():
+    from megatron_fsdp.training.data import BatchLayout
+    from megatron_fsdp.training.model_setup import ModelBundle
+    from megatron_fsdp.training.training_step import StepContext, evaluate
+
+    seen = []
+
+    def loss_fn(inputs, targets):
+        seen.append(int(inputs[0, 0]))
+        return torch.zeros(()), targets.numel()
+
+    class Source:
+        def __len__(self):
+            return 1000
+
+        def sample(self, index):
+            return torch.full((5,), index, dtype=torch.int64)
+
+    model = torch.nn.Linear(1, 1)
+    bundle = ModelBundle(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=loss_fn,
+                         is_fsdp=False, num_parameters=0)
+    ctx = StepContext(bundle=bundle, schedule=None, scaler=None, device=torch.device("cpu"), clip_grad=0.0,
+                      layout=BatchLayout(micro_batch_size=2, num_microbatches=2, dp_rank=0, dp_size=1),
+                      per_token_loss=False, check_for_nan=False)
+    evaluate(ctx, Source(), eval_iters=2, consumed_samples=8)
+    assert seen == [8, 10, 12, 14]  # micro batches of global batches 2 and 3, not 0 and 1
