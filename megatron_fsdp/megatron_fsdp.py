@@ -376,6 +376,13 @@ class MegatronFSDP(RefusesCopies, nn.Module):
     def set_model_auto_sync(self, sync_model: bool = True) -> None:
         self._auto_sync = sync_model
 
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """PyTorch FSDP2's spelling of ``set_model_auto_sync``: ``False`` accumulates
+        the following backwards locally (as ``no_sync``) until it is set back to
+        ``True``, whose next backward reduces everything. One wrapper holds every
+        parameter here, so ``recurse`` changes nothing."""
+        self.set_model_auto_sync(requires_gradient_sync)
+
     @property
     def model_auto_sync(self) -> bool:
         return self._auto_sync

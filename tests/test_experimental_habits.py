@@ -85,3 +85,39 @@ def test_unit_outputs_in_containers(pool2, kind):
             assert "StructuredBlock returned an object of type Opaque holding tensors" in str(result), result
         else:
             assert result < 1e-5, result
+
+
+def requires_gradient_sync_worker(rank, world, *, strategy, steps=3):
+    """FSDP2's ``model.set_requires_gradient_sync`` on the root: the first of two
+    microbatches unsynced (Partial gradients rest where they can), the second synced;
+    on a block it is refused, naming the root and ``microbatch``."""
+    model = make_model("net", d=8, depth=3)
+    batches = make_batches("net", steps, batch=4 * world * 2)
+    reference = copy.deepcopy(model)
+    ref_opt = make_optimizer("adamw")(reference.parameters())
+    context = shard_net(model, make_mesh(world, strategy), placements_for(strategy))
+    opt = make_optimizer("adamw")(model.parameters())
+    fully_shard_optimizer(opt)
+    try:
+        model.blocks[0].set_requires_gradient_sync(False)
+        refusal = "no error"
+    except NotImplementedError as exc:
+        refusal = str(exc)
+    for x, y in batches:
+        ref_opt.zero_grad()
+        loss_fn("net", reference(x), y).backward()
+        ref_opt.step()
+        opt.zero_grad()
+        xs, ys = x.chunk(world)[rank].chunk(2), y.chunk(world)[rank].chunk(2)
+        for i, (xm, ym) in enumerate(zip(xs, ys)):
+            model.set_requires_gradient_sync(i == 1)
+            (loss_fn("net", model(xm), ym) / 2).backward()
+        opt.step()
+    return max_param_diff(full_state_dict(model), reference), refusal
+
+
+@pytest.mark.parametrize("strategy", ["zero3", "zero2", "zero1", "no_shard"])
+def test_fsdp2_requires_gradient_sync(pool2, strategy):
+    for diff, refusal in pool2.run(requires_gradient_sync_worker, strategy=strategy):
+        assert diff < 1e-5, diff
+        assert "root module" in refusal and "microbatch" in refusal, refusal

@@ -97,6 +97,18 @@ def loop_no_sync_free_accumulation(model, opt, step, x, y, ctx):
     opt.step()
 
 
+def loop_requires_gradient_sync(model, opt, step, x, y, ctx):
+    """FSDP2's accumulation switch: two microbatches, the first with gradient sync off."""
+    opt.zero_grad()
+    for half in (0, 1):
+        if not ctx.reference:
+            model.set_requires_gradient_sync(half == 1)
+        parts = [(xr.chunk(2)[half], yr.chunk(2)[half]) for _, xr, yr in ctx.shares(x, y)]
+        loss = sum(loss_fn("net", model(xp), yp) for xp, yp in parts) / len(parts)
+        (loss / 2).backward()
+    opt.step()
+
+
 def loop_retain_graph(model, opt, step, x, y, ctx):
     opt.zero_grad()
     loss = _loss(model, ctx, x, y)
@@ -174,6 +186,7 @@ LOOPS = {
     "rank_skip": loop_rank_skip,
     "model_zero_grad": loop_model_zero_grad,
     "microbatches_without_no_sync": loop_no_sync_free_accumulation,
+    "requires_gradient_sync": loop_requires_gradient_sync,
     "retain_graph_twice": loop_retain_graph,
     "closure": loop_closure,
     "inplace_edit": loop_inplace_edit,
@@ -240,7 +253,7 @@ def test_rank_dependent_graph(pool, strategy, overlap):
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize(
     "loop", ["model_zero_grad", "microbatches_without_no_sync", "retain_graph_twice", "closure", "inplace_edit",
-             "grad_written_before_backward"]
+             "grad_written_before_backward", "requires_gradient_sync"]
 )
 def test_training_patterns(pool2, strategy, loop):
     """Items 4-7: model.zero_grad(), reducing twice without zeroing, step(closure),
@@ -560,3 +573,26 @@ def test_unit_outputs_in_containers(pool2, strategy, kind):
 def test_unit_output_hiding_its_tensors_is_refused(pool2):
     for message, unchanged in pool2.run(structured_output_worker, strategy="optim_grads_params", kind="opaque"):
         assert "returned an object of type Opaque holding tensors" in message and "dataclasses" in message and unchanged, message
+
+
+def gradient_sync_switch_worker(rank, world, *, strategy):
+    """``set_requires_gradient_sync(False)`` really defers ZeRO-0/1's reduction (as
+    ``no_sync``); ZeRO-2/3 reduce-scatter every backward (they keep no unsharded
+    gradient between passes)."""
+    model, _ = mf.fully_shard(SkipNet(), lambda params: _optimizer("sgd", params), fsdp_unit_modules=[Block],
+                              zero_dp_strategy=strategy)
+    x, y = make_batches("net", 1, batch=4 * world)[0]
+    counts = []
+    for sync in (False, True):
+        model.set_requires_gradient_sync(sync)
+        with mf.record_collectives() as rec:
+            loss_fn("net", model(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+        counts.append(rec.counts["all_reduce"] + rec.counts["reduce_scatter"])
+    return counts
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_requires_gradient_sync_defers_like_no_sync(pool2, strategy):
+    for unsynced, synced in pool2.run(gradient_sync_switch_worker, strategy=strategy):
+        assert synced > 0
+        assert (unsynced == 0) if strategy in ("no_shard", "optim") else (unsynced == synced)

@@ -211,6 +211,21 @@ class FsdpModule(RefusesCopies):
     def is_root(self) -> bool:
         return self._is_root
 
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """PyTorch FSDP2's accumulation switch: ``False`` keeps the following
+        backwards' gradients unreduced where they can rest (Partial: HSDP, ZeRO-1/2)
+        until it is set back to ``True``; the same switch as ``microbatch``, left on.
+        The switch belongs to the whole model here (one ``FsdpContext``), so it is set
+        on the root with ``recurse=True``."""
+        self.context.ensure_finalized()
+        if not (self._is_root and recurse):
+            raise NotImplementedError(
+                f"set_requires_gradient_sync on {self.name} (recurse={recurse}): megatron_fsdp.experimental switches "
+                "gradient synchronisation for the whole model, not per module. Call it on the root module with "
+                "recurse=True, or wrap each microbatch in megatron_fsdp.experimental.microbatch(context, is_last)"
+            )
+        self.context.is_last_microbatch = bool(requires_gradient_sync)
+
     @property
     def phase(self) -> "FsdpModule.Phase":
         return self._phase
