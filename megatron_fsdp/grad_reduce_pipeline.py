@@ -350,39 +350,9 @@ class GradReducePipeline:
         comm_dtype = self._comm_dtype(group)
         grads, state.grads = state.grads, []
 
-        # Temporaries are allocated here, on the compute stream, and released once it
-        # has waited for the collective ([Note: the reduce-scatter stream]).
-        temps: list[torch.Tensor] = []
         first = state.reductions_since_zero == 1
         one_rank = strategy.shards_grads and group.layout.world_size == 1 and comm_dtype == main.dtype
-        if one_rank:
-            # [Note: one-rank reductions] A reduce-scatter over one rank is the
-            # identity: the gradients go straight into the main-grad buffer (added
-            # when it holds earlier ones) and the collective runs in place.
-            source = output = main.data
-        elif strategy.shards_grads or comm_dtype != main.dtype:
-            # ZeRO-2/3: this pass's gradients; ZeRO-0/1 with a wire dtype: a copy that
-            # lives only for the collective (no second persistent buffer).
-            source = self.allocator.new(group.layout.padded_numel, comm_dtype, main.device)
-            temps.append(source)
-        else:
-            source = main.data
-        if one_rank:
-            pass
-        elif strategy is ShardingStrategy.NO_SHARD:
-            output = source
-        elif source is main.data:
-            # ZeRO-1 without a wire dtype: reduce-scatter in place into this rank's
-            # own region of the source (NCCL and gloo both allow exactly this alias).
-            output = main.shard
-        elif strategy.shards_grads and first and comm_dtype == main.dtype:
-            # First reduction since zeroing: the main-grad shard counts as zero
-            # ([Note: zeroing by the first reduction]), so the result can land
-            # there directly: no output bucket, no add.
-            output = main.data
-        else:
-            output = self.allocator.new(group.layout.shard_numel, comm_dtype, main.device)
-            temps.append(output)
+        source, output, temps = self._collective_buffers(group, comm_dtype, first=first, one_rank=one_rank)
 
         op, scaling = self._op(), self._scaling(group)
         with self.comm_streams.on(StreamKind.REDUCE_SCATTER):
@@ -414,6 +384,42 @@ class GradReducePipeline:
             self._retire(keep=self.options.max_inflight)
         else:
             self._finish(pending)
+
+    def _collective_buffers(
+        self, group: ParameterGroup, comm_dtype: torch.dtype, *, first: bool, one_rank: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """The collective's input and output for one launch, and the temporaries among
+        them. Temporaries are allocated here, on the compute stream, and released once
+        it has waited for the collective ([Note: the reduce-scatter stream])."""
+        strategy, main = group.strategy, group.main_grads
+        if one_rank:
+            # [Note: one-rank reductions] A reduce-scatter over one rank is the
+            # identity: the gradients go straight into the main-grad buffer (added
+            # when it holds earlier ones) and the collective runs in place.
+            return main.data, main.data, []
+        temps: list[torch.Tensor] = []
+        if strategy.shards_grads or comm_dtype != main.dtype:
+            # ZeRO-2/3: this pass's gradients; ZeRO-0/1 with a wire dtype: a copy that
+            # lives only for the collective (no second persistent buffer).
+            source = self.allocator.new(group.layout.padded_numel, comm_dtype, main.device)
+            temps.append(source)
+        else:
+            source = main.data
+        if strategy is ShardingStrategy.NO_SHARD:
+            output = source
+        elif source is main.data:
+            # ZeRO-1 without a wire dtype: reduce-scatter in place into this rank's
+            # own region of the source (NCCL and gloo both allow exactly this alias).
+            output = main.shard
+        elif strategy.shards_grads and first and comm_dtype == main.dtype:
+            # First reduction since zeroing: the main-grad shard counts as zero
+            # ([Note: zeroing by the first reduction]), so the result can land
+            # there directly: no output bucket, no add.
+            output = main.data
+        else:
+            output = self.allocator.new(group.layout.shard_numel, comm_dtype, main.device)
+            temps.append(output)
+        return source, output, temps
 
     def _finish(self, pending: _Pending) -> None:
         """Wait for one reduction (on CUDA: the compute stream waits, the host does
