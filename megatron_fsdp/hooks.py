@@ -65,15 +65,17 @@ def _revisit_message(unit: "FSDPUnit") -> str:
     """[Note: one backward per unit] Under ZeRO-3 a unit's weights are released, and its
     gradients reduced, once the backward walk has passed it. Reaching its backward again
     in the same pass would run on released storage; re-gathering it would issue
-    collectives the other ranks may not issue (the walk keeps them in step), so refuse."""
+    collectives the other ranks may not issue (the walk keeps them in step), so refuse.
+    Forwards that ran a unit more than once switch to [Note: several forwards, one
+    backward] beforehand, so what is left here is a backward that ran its units in
+    another order than its forward."""
     return (
         f"megatron_fsdp: the backward reached FSDP unit '{unit.name}' again after its weights were "
-        "released (ZeRO-3, optim_grads_params): its forward ran more than once for this backward "
-        "(e.g. loss = f(model(a)) + f(model(b))), or this rank's backward ran its units in another "
-        "order than the forward. Each unit's backward may run once per backward pass. Fix: one "
-        "forward per backward (model(torch.cat([a, b]))), or a backward per forward (gradients "
-        "accumulate: loss_a.backward(); loss_b.backward()), or zero_dp_strategy='optim_grads' "
-        "(ZeRO-2 keeps the weights gathered). No weight has changed."
+        "released (ZeRO-3, optim_grads_params): this rank's backward ran its units in another order "
+        "than the forward (a unit's output used again by a unit that ran long after it). Each unit's "
+        "backward may run once per backward pass here. Fix: make the unit's last use its last module, "
+        "merge the units involved (fsdp_unit_modules), or zero_dp_strategy='optim_grads' (ZeRO-2 keeps "
+        "the weights gathered). No weight has changed."
     )
 
 
@@ -141,6 +143,15 @@ class HookRuntime:
         self._backward_queued = False
         self._released_in_backward: set[FSDPUnit] = set()
         """Units whose gathered weights this backward pass released (walk passed them)."""
+        self._training_forwards = 0
+        """Training forwards since the last backward began ([Note: several forwards, one backward])."""
+        self._unit_reran = False
+        """A unit's forward ran again within one forward (weights shared across layers)."""
+        self._finished: set[FSDPUnit] = set()
+        """Units whose forward finished in the current forward."""
+        self.several_forwards = False
+        """The current backward serves more than one forward of some unit."""
+        self._logged_several = False
         self._handles: list[Any] = []
 
     # -- registration -------------------------------------------------------------
@@ -197,6 +208,7 @@ class HookRuntime:
             # gather would otherwise wait out the ranks' skew and latency in turn.
             self._forward_walk = self.schedule.forward_walk()
             self._open = []
+            self._finished = set()
             self.all_gather.unshard(self.root_groups, async_op=True)
             if self.prefetch_depth and self.schedule.order:
                 self.all_gather.unshard(self.schedule.order[0].groups, async_op=True)
@@ -212,6 +224,7 @@ class HookRuntime:
             self.schedule.agree(self.root_dp_group)
         tensors = grad_tensors(output) if torch.is_grad_enabled() else []
         if tensors:
+            self._training_forwards += 1
             register_multi_grad_hook(tensors, self._root_pre_backward, mode="any")
         else:
             if torch.is_grad_enabled():
@@ -231,7 +244,29 @@ class HookRuntime:
             self._backward_walk = self.schedule.backward_walk()
             self._unrequested = []
             self._released_in_backward = set()
+            self._begin_several_forwards()
             self.on_backward_start()
+
+    def _begin_several_forwards(self) -> None:
+        """[Note: several forwards, one backward] ``loss = f(model(a)) + f(model(b))``, or
+        a unit called twice in one forward (weights shared across layers), gives a unit
+        several backwards in one pass, and autograd hands its parameters' gradients over
+        once, after the last of them. Under ZeRO-3 such a backward therefore releases a
+        unit only when all its gradients arrived (``_group_complete``), never when the
+        walk passes it, and reduces every group at the end of the backward, in the fixed
+        order (no overlap with the backward): as FSDP2 computes it, at up to every unit's
+        weights gathered at once. Every rank runs the same forwards (their all-gathers
+        pair up only then), so every rank takes the same mode. A training forward whose
+        output is never used for a backward counts too: evaluate under torch.no_grad()
+        to keep the overlap."""
+        several = self.reduce_at_boundaries and (self._training_forwards > 1 or self._unit_reran)
+        self._training_forwards, self._unit_reran = 0, False
+        self.several_forwards = several
+        if several and not self._logged_several:
+            self._logged_several = True
+            logger.info("megatron_fsdp: a backward serves several forwards of an FSDP unit (ZeRO-3): units stay "
+                        "gathered until their gradients are complete and reductions run after the backward. "
+                        "Wrap forwards that are not backpropagated in torch.no_grad() to keep the overlap.")
 
     # -- units --------------------------------------------------------------------
     @_eager
@@ -242,6 +277,8 @@ class HookRuntime:
         for skipped in self._forward_walk.catch_up(unit):
             self._visit_skipped_forward(skipped)
         if torch.is_grad_enabled():
+            # [Note: several forwards, one backward]; a recompute inside backward is not a rerun.
+            self._unit_reran |= unit in self._finished and not self._backward_queued
             self.schedule.observe(unit)
         unit.state = TrainingState.FORWARD
         if unit not in self._open:
@@ -290,6 +327,7 @@ class HookRuntime:
         if unit in self._open:
             self._open.remove(unit)
         if training:
+            self._finished.add(unit)
             self.schedule.observe(unit, finished=True)
 
     def _close_open_units(self, current: Optional[FSDPUnit]) -> None:
@@ -315,7 +353,8 @@ class HookRuntime:
             return  # another output of a unit in backward, or a merged unit's next module
         for skipped in self._backward_walk.catch_up(unit):
             self._visit_backward(skipped)
-            self.all_gather.reshard([g for g in skipped.groups if g.requires_grad])  # no gradient will come
+            if not self.several_forwards:  # else another forward's backward may still use it
+                self.all_gather.reshard([g for g in skipped.groups if g.requires_grad])  # no gradient will come
         self._visit_backward(unit)
 
     def _visit_backward(self, unit: FSDPUnit) -> None:
@@ -332,6 +371,8 @@ class HookRuntime:
         is still to come for them, so their weights go (even with parameters that
         got none) and, with ``reduce_at_boundaries``, their reductions may start (in
         order)."""
+        if self.several_forwards and current is not None:
+            return  # [Note: several forwards, one backward]: all of it at the end
         sync = self.sync_enabled()
         enclosing = self._ancestors.get(current, set()) if current is not None else set()
         still_open = []
