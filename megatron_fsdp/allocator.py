@@ -105,8 +105,9 @@ class StorageResizeAllocator:
             tensor.untyped_storage().resize_(0)
 
 
-class SlotConflictError(RuntimeError):
-    """A unit needed a weight slot that another unit still held."""
+class SlotConflictError(NotImplementedError):
+    """A unit needed a weight slot that another unit still held: a schedule the pooled
+    buckets cannot serve (a NotImplementedError, and so a RuntimeError, as before)."""
 
 
 class _Kind(enum.Enum):
@@ -192,7 +193,8 @@ class BufferPool(StorageResizeAllocator):
                 f"fsdp_double_buffer: FSDP unit {unit} needs weight slot {key[2]} ({key[0]}), which unit "
                 f"{owner} still holds. Slots assume units run one after another in module order, each "
                 "releasing its weights once all its gradients arrived; this model runs them otherwise "
-                "(another order, a unit called twice, or parameters without gradients). "
+                "(another order, a unit called twice, several forwards before one backward, or parameters "
+                "without gradients). "
                 "Set fsdp_double_buffer=False (buckets allocated per use)."
             )
         holders.add(id(tensor))

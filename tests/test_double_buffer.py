@@ -112,3 +112,28 @@ def conflict_worker(rank, world):
 def test_slot_conflict_is_a_clear_error(pool2):
     for message in pool2.run(conflict_worker):
         assert message and "fsdp_double_buffer=False" in message and "still holds" in message, message
+
+
+def two_forwards_conflict_worker(rank, world):
+    """Two forwards before one backward keep units gathered until their gradients are
+    complete ([Note: several forwards, one backward]), which the slots cannot serve:
+    refused, before the optimizer changes any weight."""
+    fsdp, opt = mf.fully_shard(make_model("net", depth=4), lambda p: torch.optim.SGD(p, lr=0.1),
+                               fsdp_unit_modules=[Block], zero_dp_strategy="optim_grads_params", fsdp_double_buffer=True)
+    before = [p.detach().to_local().clone() for p in fsdp.parameters()]
+    x, y = make_batches("net", 1, batch=4 * world)[0]
+    xs, ys = x.chunk(world)[rank], y.chunk(world)[rank]
+    try:
+        (loss_fn("net", fsdp(xs), ys) + loss_fn("net", fsdp(2 * xs), ys)).backward()
+        opt.step()
+        message = "no error"
+    except NotImplementedError as exc:
+        message = str(exc)
+    unchanged = all(torch.equal(b, p.detach().to_local()) for b, p in zip(before, fsdp.parameters()))
+    return message, unchanged
+
+
+def test_two_forwards_with_double_buffer_are_refused(pool2):
+    for message, unchanged in pool2.run(two_forwards_conflict_worker):
+        assert "several forwards before one backward" in message and "fsdp_double_buffer=False" in message, message
+        assert unchanged

@@ -86,6 +86,11 @@ def draw_config(index: int) -> dict:
     # Drawn last, so the earlier fields of a draw stay those of older campaigns.
     # "plain": DDP's habit, a torch optimizer on model.parameters() ([Note: plain optimizers]).
     cfg["binding"] = pick(["fully_shard", "fully_shard", "plain"])
+    # HSDP with outer 4 on 4 ranks: one-rank shard groups ([Note: one-rank reductions]).
+    cfg["outer_size"] = pick([2, 2, 4])
+    # Each microbatch as two forwards of its halves, one backward ([Note: several forwards, one backward]);
+    # the double buffer's slots refuse that (test_double_buffer.py).
+    cfg["two_forwards"] = rng.random() < 0.2 and not cfg["double_buffer"]
     return cfg
 
 
@@ -167,7 +172,12 @@ def _backward(model, x, y, rank, world, cfg, step, dtype):
     for i, (xm, ym) in enumerate(zip(xs, ys)):
         quiet = i < len(xs) - 1 and cfg["pattern"] != "plain_accumulation"
         with model.no_sync() if quiet else torch.enable_grad():
-            (loss_fn("net", model(xm.to(dtype)), ym.to(dtype)) / len(xs)).backward()
+            if cfg["two_forwards"]:  # the mean of the halves' mean losses: the piece's mean loss
+                halves = zip(xm.chunk(2), ym.chunk(2))
+                loss = sum(loss_fn("net", model(xh.to(dtype)), yh.to(dtype)) for xh, yh in halves) / 2
+            else:
+                loss = loss_fn("net", model(xm.to(dtype)), ym.to(dtype))
+            (loss / len(xs)).backward()
 
 
 def _tolerance(cfg) -> float:
@@ -213,7 +223,7 @@ def fuzz_worker(rank, world, *, cfg):
             mf.fsdp_no_shard(module.blocks[0].fc1.weight)
         mesh_kwargs = {}
         if cfg["hybrid"]:
-            mesh_kwargs = dict(device_mesh=build_hybrid_mesh("cpu", 2), dp_shard_dim="dp_shard",
+            mesh_kwargs = dict(device_mesh=build_hybrid_mesh("cpu", cfg["outer_size"]), dp_shard_dim="dp_shard",
                                dp_outer_dim="dp_outer", tp_dim="tp", hybrid_fsdp_group=dist.group.WORLD)
         policy = mf.MixedPrecisionPolicy(
             main_params_dtype=cfg["main_params"], main_grads_dtype=cfg["main_grads"], grad_comm_dtype=cfg["grad_comm"]
