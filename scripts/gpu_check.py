@@ -169,6 +169,41 @@ def check_streams(device: torch.device) -> dict:
     return dict(rows=rows, worst=worst, tolerance=1e-5, passed=worst <= 1e-5)
 
 
+def two_views_and_step(model, optimizer, data) -> None:
+    """Two forwards, one backward per step: loss = f(model(a)) + f(model(b))."""
+    for tokens in data:
+        optimizer.zero_grad()
+        a, b = tokens.chunk(2)
+        loss = gpt_loss(model(a[:, :-1]), a[:, 1:]) + gpt_loss(model(b[:, :-1]), b[:, 1:])
+        (loss / 2).backward()
+        optimizer.step()
+
+
+def check_habits(device: torch.device) -> dict:
+    """Patterns whose device path no other section runs, with the side streams on and
+    NaN checks on, against the bare model: several forwards before one backward (ZeRO-3
+    reduces after such a backward: hooks.py [Note: several forwards, one backward]), and
+    2-microbatch accumulation, whose ZeRO-2/3 gradients go straight into the main-
+    gradient buffer at world size 1 ([Note: one-rank reductions])."""
+    data = batches(6, 4, SMALL, device)
+    cases = {"two_forwards": two_views_and_step, "accumulate": lambda m, o, d: accumulate_and_step(m, o, d, 2)}
+    rows, worst = [], 0.0
+    for name, run in cases.items():
+        ref = build(SMALL, device)
+        run(ref, adamw(ref.parameters()), data)
+        for strategy in STRATEGIES:
+            with comm_streams(on=True):
+                model, opt = wrap(build(SMALL, device), device, strategy, check_for_nan_in_grad=True)
+            run(model, opt, data)
+            diff = max_diff(mf.get_full_state_dict(model), ref)
+            model.finish_param_sync()
+            worst = max(worst, diff)
+            rows.append(dict(case=name, strategy=strategy, max_abs_diff=diff))
+            del model, opt
+            collect()
+    return dict(rows=rows, worst=worst, tolerance=1e-5, passed=worst <= 1e-5)
+
+
 FAULT_ENV = "MFSDP_GPU_CHECK_FAULT"
 """``skip_stream_wait``: the reduce-scatter stream no longer waits for the compute
 stream, a race the sanitizer must flag (the sanitizer section's negative control)."""
@@ -502,7 +537,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="results/gpu_check")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
-    parser.add_argument("--sections", default="parity,streams,sanitizer,bf16,checkpoint,memory,syncs,fake_world,profile,step_time")
+    parser.add_argument("--sections",
+                        default="parity,streams,habits,sanitizer,bf16,checkpoint,memory,syncs,fake_world,profile,step_time")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--impls", default=",".join(STEP_TIME_IMPLS),
@@ -523,6 +559,7 @@ def main() -> None:
         "parity": lambda: check_parity(device),
         "bf16": lambda: check_bf16(device),
         "streams": lambda: check_streams(device),
+        "habits": lambda: check_habits(device),
         "checkpoint": lambda: check_checkpoint(device, out),
         "memory": lambda: check_memory(device),
         "syncs": lambda: check_host_syncs(device),

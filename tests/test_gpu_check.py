@@ -23,7 +23,7 @@ STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 
 
 def test_gpu_check_sections_pass_on_cpu(tmp_path):
-    sections = "checkpoint,fake_world,profile"
+    sections = "checkpoint,fake_world,profile,habits"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--device", "cpu", "--out", str(tmp_path), "--sections", sections],
         capture_output=True, text=True, timeout=600,
