@@ -9,6 +9,18 @@ pickling (``torch.save(model)``) of the wrapper, the wrapped module and its
 submodules raise instead. ``state_dict()``, ``get_full_state_dict`` and the checkpoint functions are
 the ways to take weights out.
 
+[Note: parameters added after wrapping] The wrapper builds its buffers from the
+parameters present at wrapping. A parameter assigned later (``module.out.weight =
+nn.Parameter(...)``, ``module.head = nn.Linear(...)``, a parametrization's new
+``original``) would be silently ignored (the next forward registered the wrapper's
+own weight over it: a re-initialisation that never happened) or trained on this rank
+alone (a new submodule: never reduced, never in the optimizer). So, through torch's
+global registration hooks, assigning a parameter the wrapper does not own to a
+wrapped module, or attaching a submodule that holds one, raises before anything is
+assigned. Submodules holding only the wrapper's parameters (an activation-checkpoint
+wrapper around a block) attach as before and are guarded too; ``del`` of a parameter
+is caught at the next forward (param_swap.py).
+
 Moving or casting it after wrapping (``model.to(device)``, ``.cuda()``, ``.half()``)
 would replace tensors that are views of those buffers (torch failed inside with
 "Couldn't swap"): such a call raises, naming the remedy, unless it changes nothing
@@ -19,10 +31,13 @@ from __future__ import annotations
 
 import functools
 import itertools
-from typing import Any, Callable, NoReturn
+from typing import Any, Callable, NoReturn, Optional
 
 import torch
 import torch.nn as nn
+from torch.nn.modules import module as nn_module
+
+from .owners import COMPUTE_OWNERS, OWNERS
 
 _MESSAGE = (
     "{what} of a model wrapped by megatron_fsdp is not supported: its parameters are this rank's shards of "
@@ -93,15 +108,85 @@ def _refuse_moves_of(module: nn.Module, fn: Callable, recurse: bool = True) -> n
     return refuse_moves(module, fn)
 
 
+_WRAPPED_MARK = "_megatron_fsdp_wrapped"
+"""Instance attribute of every guarded module (what the registration hooks test)."""
+
+_ADDED_MESSAGE = (
+    "{what} on a module wrapped by megatron_fsdp: the wrapper built its sharded buffers from the parameters "
+    "present at wrapping, so {these} would not be sharded, reduced or optimized (a new value would be "
+    "silently ignored, a new module trained on this rank alone). Nothing was assigned. Make the change before "
+    "wrapping; to set new values of an existing parameter, write into it in place (with torch.no_grad(): "
+    "model.module.<path>.zero_() / .normal_(...) / .mul_(...)) or load them with model.load_state_dict(...)"
+)
+
+_hook_handles: list = []
+
+
+def _owned_by_main_engine(param: torch.Tensor) -> bool:
+    return param in OWNERS or param in COMPUTE_OWNERS
+
+
+_OWNERSHIP_TESTS: list[Callable[[torch.Tensor], bool]] = [_owned_by_main_engine]
+"""One per engine: whether a parameter is one of that engine's (the experimental
+engine adds its own when it shards a module)."""
+
+
+def _owned(param: torch.Tensor) -> bool:
+    return any(test(param) for test in _OWNERSHIP_TESTS)
+
+
+def _on_parameter_registration(module: nn.Module, name: str, param: nn.Parameter) -> None:
+    """[Note: parameters added after wrapping] (torch's global hook, run before assignment)."""
+    if module.__dict__.get(_WRAPPED_MARK) and param is not None and not _owned(param):
+        raise TypeError(_ADDED_MESSAGE.format(what=f"assigning a new parameter {type(module).__name__}.{name}",
+                                              these="its values"))
+
+
+def _on_module_registration(module: nn.Module, name: str, submodule: nn.Module) -> None:
+    """[Note: parameters added after wrapping] (torch's global hook, run before assignment)."""
+    if not module.__dict__.get(_WRAPPED_MARK) or submodule is None:
+        return
+    new = [n for n, p in submodule.named_parameters() if not _owned(p)]
+    if new:
+        raise TypeError(_ADDED_MESSAGE.format(
+            what=f"attaching {type(submodule).__name__} with parameters of its own ({', '.join(new[:4])}) as "
+                 f"{type(module).__name__}.{name}",
+            these="they"))
+    # Part of the wrapped tree from now on, guarded as its new parent is.
+    if "_apply" in module.__dict__:  # the main engine's guards (guard_module)
+        guard_module(submodule)
+    else:
+        refuse_new_parameters(submodule)
+
+
+def _install_registration_hooks() -> None:
+    if not _hook_handles:
+        _hook_handles.append(nn_module.register_module_parameter_registration_hook(_on_parameter_registration))
+        _hook_handles.append(nn_module.register_module_module_registration_hook(_on_module_registration))
+
+
+def refuse_new_parameters(module: nn.Module, owns: Optional[Callable[[torch.Tensor], bool]] = None) -> None:
+    """``module`` and its submodules refuse parameters no engine owns ([Note: parameters
+    added after wrapping]); ``owns``: the calling engine's ownership test, if not the
+    main engine's."""
+    if owns is not None and owns not in _OWNERSHIP_TESTS:
+        _OWNERSHIP_TESTS.append(owns)
+    _install_registration_hooks()
+    for sub in module.modules():
+        sub.__dict__[_WRAPPED_MARK] = True
+
+
 def guard_module(module: nn.Module) -> None:
     """The wrapped module and its submodules (whose parameters are shards too) refuse
-    copies, and moves or casts that change anything, while wrapped."""
+    copies, moves or casts that change anything, and parameters the wrapper does not
+    own, while wrapped."""
+    refuse_new_parameters(module)
     for sub in module.modules():
         sub.__dict__.update(_GUARDS, _apply=functools.partial(_refuse_moves_of, sub))
 
 
 def release_module(module: nn.Module) -> None:
-    """Unwrapped again (``unshard_module``): copies and moves work as for any module."""
+    """Unwrapped again (``unshard_module``): copies, moves and new parameters work as for any module."""
     for sub in module.modules():
-        for name in (*_GUARDS, "_apply"):
+        for name in (*_GUARDS, "_apply", _WRAPPED_MARK):
             sub.__dict__.pop(name, None)

@@ -86,6 +86,13 @@ _POST_ACCUMULATE_MESSAGE = (
 )
 
 
+_REMOVED_MESSAGE = (
+    "{name} is no longer the parameter megatron_fsdp registered there at wrapping (deleted, replaced, or moved "
+    "by a parametrization such as weight_norm registered after wrapping): the wrapper would put its own weight "
+    "back and silently undo the change. Make such changes before wrapping. No weight has changed"
+)
+
+
 class RegisteredParams:
     """Swaps every registration of a wrapped module's parameters between the compute
     parameter and its distributed twin."""
@@ -111,9 +118,14 @@ class RegisteredParams:
     def register_compute(self) -> None:
         if self.compute_registered:
             return
-        for r in self._registrations:
+        for r in self._registrations:  # every check before the first swap: all or nothing
             if r.dist._post_accumulate_grad_hooks is not None:
                 raise RuntimeError(_POST_ACCUMULATE_MESSAGE.format(name=f"{type(r.module).__name__}.{r.name}"))
+            if r.module._parameters.get(r.name) is not r.dist:
+                # module_guards.py [Note: parameters added after wrapping]: a deletion, or a
+                # parametrization that moved the parameter, escapes the registration hooks.
+                raise RuntimeError(_REMOVED_MESSAGE.format(name=f"{type(r.module).__name__}.{r.name}"))
+        for r in self._registrations:
             _set_param(r.module, r.name, r.compute)
         self.compute_registered = True
 

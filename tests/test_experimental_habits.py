@@ -121,3 +121,29 @@ def test_fsdp2_requires_gradient_sync(pool2, strategy):
     for diff, refusal in pool2.run(requires_gradient_sync_worker, strategy=strategy):
         assert diff < 1e-5, diff
         assert "root module" in refusal and "microbatch" in refusal, refusal
+
+
+def added_parameter_worker(rank, world, *, strategy):
+    """A parameter assigned, or a parameter-holding module attached, after sharding is
+    refused (the groups used to write their own parameters back over it: a silently
+    ignored re-initialisation); nothing changes."""
+    model = make_model("net", d=8, depth=3)
+    shard_net(model, make_mesh(world, strategy), placements_for(strategy))
+    before = full_state_dict(model)
+    messages = []
+    for attach in (lambda: setattr(model.out, "weight", torch.nn.Parameter(torch.zeros(3, 8))),
+                   lambda: setattr(model, "out", torch.nn.Linear(8, 3))):
+        try:
+            attach()
+            messages.append("no error")
+        except TypeError as exc:
+            messages.append(str(exc))
+    after = full_state_dict(model)
+    return messages, all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize("strategy", ["zero3", "zero1", "no_shard"])
+def test_parameters_added_after_sharding_are_refused(pool2, strategy):
+    for messages, unchanged in pool2.run(added_parameter_worker, strategy=strategy):
+        assert all("Nothing was assigned" in m and "before wrapping" in m for m in messages), messages
+        assert unchanged

@@ -246,3 +246,76 @@ def test_buffers_broadcast_like_ddp(pool2, strategy):
     """Item 14: running statistics broadcast from rank 0 at each forward, as DDP."""
     for out_diff, stats_diff in pool2.run(buffers_worker, strategy=strategy):
         assert out_diff < TOL and stats_diff < TOL
+
+
+# -- parameters added after wrapping (module_guards: [Note: parameters added after wrapping]) --------
+def added_parameter_worker(rank, world, *, strategy, case):
+    """A new parameter assigned, a parameter-holding module attached, or a parameter
+    deleted after wrapping is refused (the new weight used to be silently replaced by
+    the wrapper's own at the next forward; a new head trained on each rank alone);
+    nothing changes, and training goes on equal to one process."""
+    torch.manual_seed(0)
+    base = SkipNet()
+    reference = copy.deepcopy(base)
+    ref_opt = _optimizer("adamw", reference.parameters())
+    model, opt = mf.fully_shard(base, lambda params: _optimizer("adamw", params), fsdp_unit_modules=[Block],
+                                zero_dp_strategy=strategy)
+    batches = make_batches("net", 3, batch=4 * world)
+    before = mf.get_full_state_dict(model)
+    message = "no error"
+    try:
+        if case == "new_parameter":
+            model.module.out.weight = nn.Parameter(torch.zeros_like(reference.out.weight))
+        elif case == "new_module":
+            model.module.out = nn.Linear(7, 3)
+        else:  # a deletion escapes torch's registration hooks: refused at the next forward
+            del model.module.out.bias
+            x, y = batches[0]
+            model(x.chunk(world)[rank])
+    except (TypeError, RuntimeError) as exc:
+        message = str(exc)
+    if case == "deleted":  # put it back (the wrapper's own parameter) to train on
+        model.module.out.register_parameter("bias", dict(model.named_parameters())["out.bias"])
+    after = mf.get_full_state_dict(model)
+    unchanged = all(torch.equal(before[k], after[k]) for k in before)
+    for step, (x, y) in enumerate(batches):
+        for m, o, ctx in ((reference, ref_opt, Ctx(rank, world, True)), (model, opt, Ctx(rank, world, False))):
+            loop_plain(m, o, step, x, y, ctx)
+    return message, unchanged, _full_diff(model, reference)
+
+
+@pytest.mark.parametrize("case", ["new_parameter", "new_module", "deleted"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_parameters_added_after_wrapping_are_refused(pool2, strategy, case):
+    for message, unchanged, diff in pool2.run(added_parameter_worker, strategy=strategy, case=case):
+        expected = "no longer the parameter megatron_fsdp registered" if case == "deleted" else "Nothing was assigned"
+        assert expected in message and "before wrapping" in message, message
+        assert unchanged and diff < TOL, (unchanged, diff)
+
+
+def checkpoint_wrapper_worker(rank, world, *, strategy):
+    """torch's checkpoint_wrapper put around a block after wrapping (FSDP1's habit): it
+    holds only the wrapper's parameters, so it attaches, and training equals one process."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    torch.manual_seed(0)
+    base = SkipNet()
+    reference = copy.deepcopy(base)
+    reference.blocks[1] = checkpoint_wrapper(reference.blocks[1])
+    ref_opt = _optimizer("adamw", reference.parameters())
+    model, opt = mf.fully_shard(base, lambda params: _optimizer("adamw", params), fsdp_unit_modules=[Block],
+                                zero_dp_strategy=strategy)
+    model.module.blocks[1] = checkpoint_wrapper(model.module.blocks[1])
+    for step, (x, y) in enumerate(make_batches("net", 3, batch=4 * world)):
+        for m, o, ctx in ((reference, ref_opt, Ctx(rank, world, True)), (model, opt, Ctx(rank, world, False))):
+            loop_plain(m, o, step, x, y, ctx)
+    model.finish_param_sync()
+    # Both name the block's parameters with the wrapper's prefix (named_parameters' names).
+    full = mf.get_full_state_dict(model)
+    return max((full[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters())
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_checkpoint_wrapper_attached_after_wrapping(pool2, strategy):
+    for diff in pool2.run(checkpoint_wrapper_worker, strategy=strategy):
+        assert diff < TOL, diff

@@ -28,7 +28,9 @@ from torch.distributed.tensor.placement_types import Placement
 from .. import device as device_lib
 from ..hooks import guard_hooks_under_compile
 from ..mixed_precision import MixedPrecisionPolicy
+from ..module_guards import refuse_new_parameters
 from .module import FsdpContext, FsdpModule
+from .parameter_group import owns_parameter
 
 __all__ = ["Placements", "fully_shard", "fully_shard_context", "microbatch"]
 
@@ -153,6 +155,9 @@ def fully_shard(
     except Exception:
         module.__class__ = original
         raise
+    # module_guards.py [Note: parameters added after wrapping]: the groups write their
+    # own parameters back into the modules, over any assigned later.
+    refuse_new_parameters(module, owns=owns_parameter)
     return cast_module
 
 

@@ -47,6 +47,11 @@ def get_containing_parameter_group(parameter: torch.Tensor) -> Optional["FsdpPar
     return ref() if ref is not None else None
 
 
+def owns_parameter(parameter: torch.Tensor) -> bool:
+    """A sharded or unsharded parameter of some experimental group."""
+    return get_containing_parameter_group(parameter) is not None
+
+
 def sync_model_weights_from_main_weights(parameters: Iterable[torch.Tensor]) -> None:
     """Refresh the compute weights of every group among ``parameters``, once per group."""
     seen: set[int] = set()
