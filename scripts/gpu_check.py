@@ -155,18 +155,25 @@ def check_streams(device: torch.device) -> dict:
     rows, worst = [], 0.0
     for strategy in STRATEGIES:
         for double_buffer in (False, True):
-            with comm_streams(on=True):
-                model, opt = wrap(build(cfg, device), device, strategy, fsdp_double_buffer=double_buffer,
-                                  check_for_nan_in_grad=True)
-            assert model.grad_reduce_pipeline.comm_streams.active == (device.type == "cuda")
-            accumulate_and_step(model, opt, data, microbatches)
-            diff = max_diff(mf.get_full_state_dict(model), ref)
-            model.finish_param_sync()
+            diff = streamed_diff(cfg, device, strategy, ref, lambda m, o: accumulate_and_step(m, o, data, microbatches),
+                                 fsdp_double_buffer=double_buffer)
             worst = max(worst, diff)
             rows.append(dict(strategy=strategy, double_buffer=double_buffer, max_abs_diff=diff))
-            del model, opt
-            collect()
     return dict(rows=rows, worst=worst, tolerance=1e-5, passed=worst <= 1e-5)
+
+
+def streamed_diff(cfg: dict, device: torch.device, strategy: str, ref, run, **kwargs) -> float:
+    """Wrap a fresh model with the side streams and NaN checks on, train it with
+    ``run(model, optimizer)``, and return its largest difference to ``ref``."""
+    with comm_streams(on=True):
+        model, opt = wrap(build(cfg, device), device, strategy, check_for_nan_in_grad=True, **kwargs)
+    assert model.grad_reduce_pipeline.comm_streams.active == (device.type == "cuda")
+    run(model, opt)
+    diff = max_diff(mf.get_full_state_dict(model), ref)
+    model.finish_param_sync()
+    del model, opt
+    collect()
+    return diff
 
 
 def two_views_and_step(model, optimizer, data) -> None:
@@ -186,21 +193,16 @@ def check_habits(device: torch.device) -> dict:
     2-microbatch accumulation, whose ZeRO-2/3 gradients go straight into the main-
     gradient buffer at world size 1 ([Note: one-rank reductions])."""
     data = batches(6, 4, SMALL, device)
-    cases = {"two_forwards": two_views_and_step, "accumulate": lambda m, o, d: accumulate_and_step(m, o, d, 2)}
+    cases = {"two_forwards": lambda m, o: two_views_and_step(m, o, data),
+             "accumulate": lambda m, o: accumulate_and_step(m, o, data, 2)}
     rows, worst = [], 0.0
     for name, run in cases.items():
         ref = build(SMALL, device)
-        run(ref, adamw(ref.parameters()), data)
+        run(ref, adamw(ref.parameters()))
         for strategy in STRATEGIES:
-            with comm_streams(on=True):
-                model, opt = wrap(build(SMALL, device), device, strategy, check_for_nan_in_grad=True)
-            run(model, opt, data)
-            diff = max_diff(mf.get_full_state_dict(model), ref)
-            model.finish_param_sync()
+            diff = streamed_diff(SMALL, device, strategy, ref, run)
             worst = max(worst, diff)
             rows.append(dict(case=name, strategy=strategy, max_abs_diff=diff))
-            del model, opt
-            collect()
     return dict(rows=rows, worst=worst, tolerance=1e-5, passed=worst <= 1e-5)
 
 

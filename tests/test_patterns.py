@@ -311,15 +311,21 @@ class SharedBlockNet(torch.nn.Module):
         return self.out(self.blocks[2](h))
 
 
+def wrapped_with_reference(base_class, strategy, optimizer="adamw"):
+    """A seeded model wrapped with ``strategy`` and its plain copy: (model, opt,
+    reference, reference optimizer)."""
+    torch.manual_seed(0)
+    base = base_class()
+    reference = copy.deepcopy(base)
+    model, opt = mf.fully_shard(base, lambda params: _optimizer(optimizer, params), fsdp_unit_modules=[Block],
+                                zero_dp_strategy=strategy)
+    return model, opt, reference, _optimizer(optimizer, reference.parameters())
+
+
 def shared_block_worker(rank, world, *, strategy, discarded_forward):
     """Shared-weight layers, and optionally a training-mode forward whose output is
     discarded before each step's forward (a logging habit): equal to one process."""
-    torch.manual_seed(0)
-    base = SharedBlockNet()
-    reference = copy.deepcopy(base)
-    ref_opt = _optimizer("adamw", reference.parameters())
-    model, opt = mf.fully_shard(base, lambda params: _optimizer("adamw", params), fsdp_unit_modules=[Block],
-                                zero_dp_strategy=strategy)
+    model, opt, reference, ref_opt = wrapped_with_reference(SharedBlockNet, strategy)
     for x, y in make_batches("net", 3, batch=4 * world):
         ref_opt.zero_grad()
         loss_fn("net", reference(x), y).backward()

@@ -12,7 +12,7 @@ import torch.nn as nn
 
 import megatron_fsdp as mf
 from models import Block, loss_fn, make_batches, make_model
-from test_patterns import STRATEGIES, TOL, Ctx, SkipNet, _optimizer, loop_plain
+from test_patterns import STRATEGIES, TOL, Ctx, SkipNet, _optimizer, loop_plain, wrapped_with_reference
 
 torch_ddp = nn.parallel.DistributedDataParallel
 
@@ -254,12 +254,7 @@ def added_parameter_worker(rank, world, *, strategy, case):
     deleted after wrapping is refused (the new weight used to be silently replaced by
     the wrapper's own at the next forward; a new head trained on each rank alone);
     nothing changes, and training goes on equal to one process."""
-    torch.manual_seed(0)
-    base = SkipNet()
-    reference = copy.deepcopy(base)
-    ref_opt = _optimizer("adamw", reference.parameters())
-    model, opt = mf.fully_shard(base, lambda params: _optimizer("adamw", params), fsdp_unit_modules=[Block],
-                                zero_dp_strategy=strategy)
+    model, opt, reference, ref_opt = wrapped_with_reference(SkipNet, strategy)
     batches = make_batches("net", 3, batch=4 * world)
     before = mf.get_full_state_dict(model)
     message = "no error"
@@ -298,13 +293,8 @@ def checkpoint_wrapper_worker(rank, world, *, strategy):
     holds only the wrapper's parameters, so it attaches, and training equals one process."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    torch.manual_seed(0)
-    base = SkipNet()
-    reference = copy.deepcopy(base)
+    model, opt, reference, ref_opt = wrapped_with_reference(SkipNet, strategy)
     reference.blocks[1] = checkpoint_wrapper(reference.blocks[1])
-    ref_opt = _optimizer("adamw", reference.parameters())
-    model, opt = mf.fully_shard(base, lambda params: _optimizer("adamw", params), fsdp_unit_modules=[Block],
-                                zero_dp_strategy=strategy)
     model.module.blocks[1] = checkpoint_wrapper(model.module.blocks[1])
     for step, (x, y) in enumerate(make_batches("net", 3, batch=4 * world)):
         for m, o, ctx in ((reference, ref_opt, Ctx(rank, world, True)), (model, opt, Ctx(rank, world, False))):
