@@ -149,7 +149,7 @@ class HookRuntime:
         """A unit's forward ran again within one forward (weights shared across layers)."""
         self._finished: set[FSDPUnit] = set()
         """Units whose forward finished in the current forward."""
-        self.several_forwards = False
+        self._several_forwards = False
         """The current backward serves more than one forward of some unit."""
         self._logged_several = False
         self._handles: list[Any] = []
@@ -261,7 +261,7 @@ class HookRuntime:
         to keep the overlap."""
         several = self.reduce_at_boundaries and (self._training_forwards > 1 or self._unit_reran)
         self._training_forwards, self._unit_reran = 0, False
-        self.several_forwards = several
+        self._several_forwards = several
         if several and not self._logged_several:
             self._logged_several = True
             logger.info("megatron_fsdp: a backward serves several forwards of an FSDP unit (ZeRO-3): units stay "
@@ -353,7 +353,7 @@ class HookRuntime:
             return  # another output of a unit in backward, or a merged unit's next module
         for skipped in self._backward_walk.catch_up(unit):
             self._visit_backward(skipped)
-            if not self.several_forwards:  # else another forward's backward may still use it
+            if not self._several_forwards:  # else another forward's backward may still use it
                 self.all_gather.reshard([g for g in skipped.groups if g.requires_grad])  # no gradient will come
         self._visit_backward(unit)
 
@@ -371,7 +371,7 @@ class HookRuntime:
         is still to come for them, so their weights go (even with parameters that
         got none) and, with ``reduce_at_boundaries``, their reductions may start (in
         order)."""
-        if self.several_forwards and current is not None:
+        if self._several_forwards and current is not None:
             return  # [Note: several forwards, one backward]: all of it at the end
         sync = self.sync_enabled()
         enclosing = self._ancestors.get(current, set()) if current is not None else set()
