@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .owners import COMPUTE_OWNERS, OWNERS, WRAPPED
+from .owners import WRAPPED, is_managed
 
 
 def _is_wrapper(module: nn.Module, wrapper_types: tuple) -> bool:
@@ -36,7 +36,7 @@ def check_module(module: nn.Module, device: torch.device, *, allow_meta: bool = 
                 f"cannot wrap {type(module).__name__}: {where} is already a data-parallel wrapper "
                 f"({type(sub).__name__}); wrap the plain model once, with one of megatron_fsdp, FSDP or DDP"
             )
-    wrapped = [p for p in module.parameters() if p in COMPUTE_OWNERS or p in OWNERS] or ([module] if module in WRAPPED else [])
+    wrapped = [p for p in module.parameters() if is_managed(p)] or ([module] if module in WRAPPED else [])
     if wrapped:
         raise ValueError(
             f"{type(module).__name__} (or a submodule of it) is already wrapped by megatron_fsdp: its parameters "

@@ -37,7 +37,7 @@ import torch
 import torch.nn as nn
 from torch.nn.modules import module as nn_module
 
-from .owners import COMPUTE_OWNERS, OWNERS
+from .owners import is_managed
 
 _MESSAGE = (
     "{what} of a model wrapped by megatron_fsdp is not supported: its parameters are this rank's shards of "
@@ -122,11 +122,7 @@ _ADDED_MESSAGE = (
 _hook_handles: list = []
 
 
-def _owned_by_main_engine(param: torch.Tensor) -> bool:
-    return param in OWNERS or param in COMPUTE_OWNERS
-
-
-_OWNERSHIP_TESTS: list[Callable[[torch.Tensor], bool]] = [_owned_by_main_engine]
+_OWNERSHIP_TESTS: list[Callable[[torch.Tensor], bool]] = [is_managed]
 """One per engine: whether a parameter is one of that engine's (the experimental
 engine adds its own when it shards a module)."""
 

@@ -52,3 +52,8 @@ def owner_of(param: Any) -> Optional["MegatronFSDP"]:
 def compute_owner_of(param: Any) -> Optional["MegatronFSDP"]:
     """The MegatronFSDP whose wrapped module holds ``param`` as a compute parameter."""
     return COMPUTE_OWNERS.get(param)
+
+
+def is_managed(param: Any) -> bool:
+    """``param`` is a distributed or compute parameter of some live MegatronFSDP."""
+    return param in OWNERS or param in COMPUTE_OWNERS
