@@ -37,7 +37,7 @@ from .config import DistributedDataParallelConfig
 from .distributed_index import FSDPDistributedIndex, build_default_mesh
 from .enums import ShardingStrategy
 from .megatron_fsdp import MegatronFSDP
-from .state_dict import get_full_state_dict, sharded_state_dict
+from .state_dict import get_full_state_dict, sharded_state_dict, torch_key
 
 logger = logging.getLogger(__name__)
 
@@ -402,7 +402,7 @@ class FullyShardedDataParallel(nn.Module):
     def _extra_states(self) -> Iterator[tuple[str, nn.Module]]:
         for name, m in self.module.module.named_modules():
             if type(m).get_extra_state is not nn.Module.get_extra_state:
-                yield (name + _EXTRA_STATE_SUFFIX if name else _EXTRA_STATE_SUFFIX[1:]), m
+                yield torch_key(name + _EXTRA_STATE_SUFFIX if name else _EXTRA_STATE_SUFFIX[1:]), m
 
     def state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> dict:
         """Main weights (DTensors where sharded), persistent buffers and modules'

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from . import collectives
-from .state_dict import _alias_names, _persistent_buffers
+from .state_dict import _alias_names, _persistent_buffers, torch_key
 
 if TYPE_CHECKING:
     from .megatron_fsdp import MegatronFSDP
@@ -53,7 +53,7 @@ def gather_full_state_dict(
     # Tied weights appear under every name, as in nn.Module.state_dict().
     out = {alias: full[name] for alias, name in _alias_names(model).items()}
     for name, value in _persistent_buffers(model.module):
-        out[name] = _export(value.detach(), None, device)
+        out[torch_key(name)] = _export(value.detach(), None, device)
     return out
 
 

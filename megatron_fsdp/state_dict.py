@@ -127,11 +127,27 @@ def standard_dtensor(group, full: torch.Tensor) -> DTensor:
     return view.to(device, copy=True)
 
 
+CHECKPOINT_WRAPPER_SEGMENT = "_checkpoint_wrapped_module."
+"""The attribute torch's ``checkpoint_wrapper`` keeps its inner module under."""
+
+
+def torch_key(name: str) -> str:
+    """The key ``nn.Module.state_dict()`` gives the parameter or buffer ``name``.
+
+    [Note: checkpoint_wrapper keys] torch's ``checkpoint_wrapper`` registers
+    state-dict hooks that drop its ``_checkpoint_wrapped_module.`` segment, so a
+    plain model, FSDP2 and DSD (which refuses keys that keep it) all key
+    ``layers.0.weight``, not ``layers.0._checkpoint_wrapped_module.weight``. We
+    build our state dicts from parameter names, not through those hooks, so we drop
+    the segment ourselves; loading accepts either form."""
+    return name.replace(CHECKPOINT_WRAPPER_SEGMENT, "")
+
+
 def _alias_names(model: "MegatronFSDP") -> dict[str, str]:
     """Every state-dict name of a parameter (tied weights have several, as in
-    ``nn.Module.state_dict()``) -> the name the buffer files it under."""
+    ``nn.Module.state_dict()``; ``torch_key`` form) -> the name the buffer files it under."""
     names = model.param_and_grad_buffer.param_names
-    return {name: names[p] for name, p in model.module.named_parameters(remove_duplicate=False)}
+    return {torch_key(name): names[p] for name, p in model.module.named_parameters(remove_duplicate=False)}
 
 
 def sharded_state_dict(
@@ -163,7 +179,7 @@ def sharded_state_dict(
     for alias, name in _alias_names(model).items():
         out[base + alias] = values[name]
     for name, value in _persistent_buffers(model.module):
-        out[base + name] = value if keep_vars else value.detach()
+        out[base + torch_key(name)] = value if keep_vars else value.detach()
     return out
 
 
@@ -181,16 +197,18 @@ def _describe(value: Any) -> str:
 
 def _own_keys(model: "MegatronFSDP", state_dict: Mapping[str, Any]) -> tuple[dict[str, str], list[str], list[str]]:
     """Match the given keys (``module.<name>`` or ``<name>``, tied aliases optional)
-    to the model's canonical names: (canonical -> given key, missing, unexpected)."""
-    aliases = _alias_names(model)
-    canonical = list(dict.fromkeys(aliases.values())) + [n for n, _ in _persistent_buffers(model.module)]
+    to the model's canonical names in ``torch_key`` form: (canonical -> given key,
+    missing, unexpected)."""
+    aliases = {alias: torch_key(name) for alias, name in _alias_names(model).items()}
+    buffers = [torch_key(n) for n, _ in _persistent_buffers(model.module)]
+    canonical = list(dict.fromkeys(aliases.values())) + buffers
     known = set(aliases) | set(canonical)
     given: dict[str, str] = {}
     named: dict[str, str] = {}  # name -> the key that gave it
     unexpected, twice = [], []
     own = _own_objects(model)
     for key in state_dict:
-        name = key
+        name = torch_key(key)  # [Note: checkpoint_wrapper keys]: either form loads
         if name not in known and name.startswith(MODULE_PREFIX) and name[len(MODULE_PREFIX):] in known:
             name = name[len(MODULE_PREFIX):]
         if name not in known:

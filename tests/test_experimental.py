@@ -480,6 +480,12 @@ def errors_worker(rank, world):
 
     expect("symmetric", symmetric, NotImplementedError)
 
+    def placement_list():  # FSDP2's habit: a list of placements
+        with fully_shard_context():
+            fully_shard(nn.Linear(2, 2), mesh=mesh, placements=[Shard(0)])
+
+    expect("placement_list", placement_list, TypeError)
+
     def run_inside():
         layer = nn.Linear(2, 2)
         with fully_shard_context():
@@ -616,7 +622,8 @@ def test_checkpoint_round_trip(pool):
 def test_errors_name_the_problem(pool2):
     raised = pool2.run(errors_worker)[0]
     assert set(raised) == {"outside_context", "twice", "shard_dim1", "lengths", "symmetric", "run_inside",
-                           "tied_across", "class_restored"}, raised
+                           "tied_across", "class_restored", "placement_list"}, raised
+    assert "Placements(dp_axes=[0]" in raised["placement_list"]
     assert "fully_shard_context" in raised["outside_context"]
     assert "Shard(0)" in raised["shard_dim1"]
     assert "common ancestor" in raised["tied_across"]

@@ -288,24 +288,64 @@ def test_parameters_added_after_wrapping_are_refused(pool2, strategy, case):
         assert unchanged and diff < TOL, (unchanged, diff)
 
 
-def checkpoint_wrapper_worker(rank, world, *, strategy):
-    """torch's checkpoint_wrapper put around a block after wrapping (FSDP1's habit): it
-    holds only the wrapper's parameters, so it attaches, and training equals one process."""
+class _CheckpointedSkipNet(SkipNet):
+    """SkipNet whose block 1 is under torch's checkpoint_wrapper from construction."""
+
+    def __init__(self):
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        super().__init__()
+        self.blocks[1] = checkpoint_wrapper(self.blocks[1])
+
+
+def checkpoint_wrapper_worker(rank, world, *, strategy, when, path):
+    """torch's checkpoint_wrapper around a block, before wrapping or after it (FSDP1's
+    habit: it holds only the wrapper's parameters, so it attaches). Training equals one
+    process; state dicts are keyed as torch keys them ([Note: checkpoint_wrapper keys]),
+    so DSD saves and resumes through DCP and a plain model loads the export."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    model, opt, reference, ref_opt = wrapped_with_reference(SkipNet, strategy)
-    reference.blocks[1] = checkpoint_wrapper(reference.blocks[1])
-    model.module.blocks[1] = checkpoint_wrapper(model.module.blocks[1])
-    for step, (x, y) in enumerate(make_batches("net", 3, batch=4 * world)):
-        for m, o, ctx in ((reference, ref_opt, Ctx(rank, world, True)), (model, opt, Ctx(rank, world, False))):
-            loop_plain(m, o, step, x, y, ctx)
+    model, opt, reference, ref_opt = wrapped_with_reference(
+        _CheckpointedSkipNet if when == "before" else SkipNet, strategy)
+    if when == "after":
+        reference.blocks[1] = checkpoint_wrapper(reference.blocks[1])
+        model.module.blocks[1] = checkpoint_wrapper(model.module.blocks[1])
+    batches = make_batches("net", 5, batch=4 * world)
+
+    def train(steps):
+        for step, (x, y) in steps:
+            for m, o, ctx in ((reference, ref_opt, Ctx(rank, world, True)), (model, opt, Ctx(rank, world, False))):
+                loop_plain(m, o, step, x, y, ctx)
+
+    train(list(enumerate(batches))[:3])
+    keys = list(reference.state_dict())
+    assert not any("_checkpoint_wrapped_module" in k for k in keys)
+    assert list(model.state_dict()) == ["module." + k for k in keys]
+    msd, osd = get_state_dict(model, opt)  # DSD refused keys that kept the wrapper's segment
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    model2, opt2, _, _ = wrapped_with_reference(_CheckpointedSkipNet if when == "before" else SkipNet, strategy)
+    if when == "after":
+        model2.module.blocks[1] = checkpoint_wrapper(model2.module.blocks[1])
+    msd2, osd2 = get_state_dict(model2, opt2)
+    state = {"model": msd2, "optim": osd2}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model2, opt2, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    model, opt = model2, opt2  # the resumed copy trains on
+    train(list(enumerate(batches))[3:])
     model.finish_param_sync()
-    # Both name the block's parameters with the wrapper's prefix (named_parameters' names).
     full = mf.get_full_state_dict(model)
-    return max((full[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters())
+    plain = _CheckpointedSkipNet() if when == "before" else SkipNet()
+    if when == "after":
+        plain.blocks[1] = checkpoint_wrapper(plain.blocks[1])
+    plain.load_state_dict(full)  # strict: the export has the plain model's keys
+    reference_sd = reference.state_dict()
+    return max((full[k] - reference_sd[k]).abs().max().item() for k in keys)
 
 
+@pytest.mark.parametrize("when", ["before", "after"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_checkpoint_wrapper_attached_after_wrapping(pool2, strategy):
-    for diff in pool2.run(checkpoint_wrapper_worker, strategy=strategy):
+def test_checkpoint_wrapper(pool2, tmp_path, strategy, when):
+    for diff in pool2.run(checkpoint_wrapper_worker, strategy=strategy, when=when, path=str(tmp_path / "ckpt")):
         assert diff < TOL, diff

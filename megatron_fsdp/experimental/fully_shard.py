@@ -136,6 +136,12 @@ def fully_shard(
                 "a model's modules share one context (their prefetch orders span it): shard them all "
                 "inside one `with fully_shard_context():`"
             )
+    if not isinstance(placements, Placements):
+        raise TypeError(
+            f"fully_shard(placements={placements!r}): pass a megatron_fsdp.experimental.Placements naming the "
+            "data-parallel mesh axes and the parameter, gradient and optimizer placements, e.g. "
+            "Placements(dp_axes=[0], parameter=[Shard(0)], gradient=[Shard(0)], optimizer=[Shard(0)]) for ZeRO-3"
+        )
     _check_dp_axes(mesh, placements.dp_axes)
     guard_hooks_under_compile()  # hooks.py [Note: compiled graphs and unit hooks]
     policy = mixed_precision_policy or MixedPrecisionPolicy()
