@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_fsdp import device as device_mod
-from megatron_fsdp.training import checkpointing
+from megatron_fsdp.training import checkpointing, determinism
 from megatron_fsdp.training.arguments import ArgumentError, parse_args
 from megatron_fsdp.training.data import BatchLayout
 from megatron_fsdp.training.data_integration import build_sources
@@ -59,6 +59,8 @@ def initialize_distributed(args) -> torch.device:
     for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),
                        ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
         os.environ.setdefault(key, value)
+    if args.deterministic_mode:  # before the communicators and the first GEMM read the environment
+        determinism.apply()
     backend = args.distributed_backend or ("nccl" if device_mod.cuda_available() else "gloo")
     device = torch.device("cpu")
     if backend == "nccl":

@@ -170,3 +170,31 @@ def test_evaluate_starts_at_the_consumed_validation_samples():
                       per_token_loss=False, check_for_nan=False)
     evaluate(ctx, Source(), eval_iters=2, consumed_samples=8)
     assert seen == [8, 10, 12, 14]  # micro batches of global batches 2 and 3, not 0 and 1
+
+
+# -- --deterministic-mode ------------------------------------------------------------------
+def test_deterministic_mode_refuses_what_megatron_lm_refuses(monkeypatch):
+    # megatron/training/determinism.py: ARG_VALUES_REQUIRED_FOR_DETERMINISM and the env checks.
+    for name in ("NCCL_ALGO", "CUBLAS_WORKSPACE_CONFIG", "NVTE_ALLOW_NONDETERMINISTIC_ALGO"):
+        monkeypatch.delenv(name, raising=False)
+    assert _parse(["--deterministic-mode"]).deterministic_mode
+    with pytest.raises(ArgumentError, match="--deterministic-mode cannot be combined with --cross-entropy-loss-fusion"):
+        _parse(["--deterministic-mode", "--cross-entropy-loss-fusion"])
+    _parse(["--cross-entropy-loss-fusion"])  # fine without the mode
+    monkeypatch.setenv("NCCL_ALGO", "Tree")
+    with pytest.raises(ArgumentError, match="NCCL_ALGO='Tree'"):
+        _parse(["--deterministic-mode"])
+    monkeypatch.setenv("NCCL_ALGO", "Ring,^NVLS")
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":0:0")
+    with pytest.raises(ArgumentError, match="CUBLAS_WORKSPACE_CONFIG=':0:0'"):
+        _parse(["--deterministic-mode"])
+
+
+def test_deterministic_mode_sets_defaults_and_torch_algorithms(monkeypatch):
+    from megatron_fsdp.training import determinism
+
+    env = {"CUBLAS_WORKSPACE_CONFIG": ":16:8"}
+    monkeypatch.setattr(torch, "use_deterministic_algorithms", lambda flag: env.__setitem__("torch", flag))
+    determinism.apply(env)
+    assert env == {"CUBLAS_WORKSPACE_CONFIG": ":16:8", "NCCL_ALGO": "Ring", "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0",
+                   "torch": True}

@@ -19,6 +19,7 @@ import os
 from .. import device as device_mod
 from ..enums import ShardingStrategy
 from ..models.config import megatron_swiglu_ffn_hidden_size
+from . import determinism
 from .arg_types import BYTE_VOCAB_SIZE, LRDecayStyle, Precision, TokenizerType
 from .flag_table import FlagSpec, FlagStatus
 
@@ -56,7 +57,7 @@ def flag_policy(args: argparse.Namespace, given: dict[str, FlagSpec]) -> tuple[l
 def collect_problems(args: argparse.Namespace, world_size: int) -> list[str]:
     problems: list[str] = []
     for rule in (_required, _model_shape, _model_features, _recompute, _batch, _schedule, _data_parallel,
-                 _megatron_fsdp, _precision, _data, _io, _optional_packages):
+                 _megatron_fsdp, _precision, _determinism, _data, _io, _optional_packages):
         problems += rule(args, world_size)
     return problems
 
@@ -343,6 +344,13 @@ def _precision(args, world_size) -> list[str]:
     if args.loss_scale is not None and args.loss_scale <= 0:
         problems.append(f"--loss-scale={args.loss_scale} must be positive")
     return problems
+
+
+def _determinism(args, world_size) -> list[str]:
+    """Megatron-LM's --deterministic-mode rules (determinism.py)."""
+    if not args.deterministic_mode:
+        return []
+    return determinism.option_problems(args) + determinism.environment_problems(os.environ)
 
 
 def _data(args, world_size) -> list[str]:
