@@ -31,7 +31,7 @@ from typing import Any, Optional, Sequence
 
 from .arg_types import BYTE_VOCAB_SIZE, ArgumentError, LRDecayStyle, Precision, TokenizerType  # noqa: F401 (re-exported)
 from .flag_table import FlagAction, FlagSpec, FlagStatus, FlagTable, load_flag_table
-from .validation import collect_problems, derive_fields, flag_policy
+from .validation import collect_problems, default_tokenizer_type, derive_fields, flag_policy
 
 # Tokenizers of this launcher that Megatron-LM's --tokenizer-type choices lack.
 EXTRA_CHOICES = {"--tokenizer-type": tuple(t.value for t in TokenizerType)}
@@ -276,6 +276,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     # Megatron-LM keeps --use-mcore-models under a "deprecated_" destination (its
     # models are always megatron-core); here the flag picks the model, so name it plainly.
     args.use_mcore_models = args.deprecated_use_mcore_models
+    default_tokenizer_type(args)
     problems, warnings = flag_policy(args, given)
     problems += collect_problems(args, world_size)
     if problems:

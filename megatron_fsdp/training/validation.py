@@ -19,7 +19,7 @@ import os
 from .. import device as device_mod
 from ..enums import ShardingStrategy
 from ..models.config import megatron_swiglu_ffn_hidden_size
-from . import determinism
+from . import determinism, tokenizers
 from .arg_types import BYTE_VOCAB_SIZE, LRDecayStyle, Precision, TokenizerType
 from .flag_table import FlagSpec, FlagStatus
 
@@ -351,6 +351,17 @@ def _determinism(args, world_size) -> list[str]:
     if not args.deterministic_mode:
         return []
     return determinism.option_problems(args) + determinism.environment_problems(os.environ)
+
+
+def default_tokenizer_type(args: argparse.Namespace) -> None:
+    """Megatron-LM's ``pretrain_gpt.py`` defaults ``--tokenizer-type`` to GPT2BPETokenizer,
+    so a run that gives ``--vocab-file``/``--merge-file`` without a type trains GPT-2's
+    50257 tokens there. Before 2026-11-25 the launcher took the byte tokenizer (256
+    ids) for such a run and ignored the files: a different model. Without the files
+    Megatron-LM's default cannot start; the launcher keeps its own defaults then
+    (``derive_fields``)."""
+    if args.tokenizer_type is None and (args.vocab_file or args.merge_file):
+        args.tokenizer_type = tokenizers.TokenizerType.GPT2_BPE.value
 
 
 def _data(args, world_size) -> list[str]:
