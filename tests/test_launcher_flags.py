@@ -593,3 +593,27 @@ def test_use_checkpoint_opt_param_scheduler_takes_the_checkpoints_schedule(tmp_p
     with pytest.raises(ArgumentError, match="--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler "
                                             "are exclusive"):
         _parse(["--use-checkpoint-opt_param-scheduler", "--override-opt_param-scheduler"])
+
+
+def test_recipe_harness_sections_and_later_stages_are_ignored(tmp_path, monkeypatch):
+    # Megatron-LM recipes carry CI-harness sections (AFTER_SCRIPT log checks,
+    # TEST_EVALUATION, THROUGHPUT_TEST_PARAMS) and later stages (MODEL_ARGS_2, ...):
+    # the launcher runs MODEL_ARGS, the first stage.
+    monkeypatch.setenv("I15_TB_DIR", str(tmp_path / "tb"))
+    config = tmp_path / "model_config.yaml"
+    config.write_text(RECIPE.replace("TEST_TYPE: regular\n", "")
+                      + "AFTER_SCRIPT: |\n  echo done\nTEST_EVALUATION: xpass\nTHROUGHPUT_TEST_PARAMS:\n  --start_step: 1\n"
+                      + "MODEL_ARGS_2:\n  --train-iters: 99\n")
+    args = parse_args(["--config", str(config)], world_size=2)
+    assert args.train_iters == 8
+
+
+def test_checkpoint_strategy_and_equivalent_flags_warn_and_run():
+    # Settings of Megatron-LM's that change no number here: accepted with one warning each.
+    flags = ["--ckpt-fully-parallel-load", "--no-ckpt-fully-parallel-save", "--ckpt-assume-constant-structure",
+             "--cross-entropy-fusion-impl", "native", "--apply-query-key-layer-scaling", "--rerun-mode",
+             "validate_results"]
+    args = parse_args(BASE + ["--train-iters", "4"] + flags, world_size=2)
+    assert len(args.flag_warnings) == 6
+    with pytest.raises(ArgumentError, match="--rerun-mode report_stats is not supported"):
+        parse_args(BASE + ["--train-iters", "4", "--rerun-mode", "report_stats"], world_size=2)

@@ -37,7 +37,12 @@ from .validation import collect_problems, default_tokenizer_type, derive_fields,
 EXTRA_CHOICES = {"--tokenizer-type": tuple(t.value for t in TokenizerType)}
 # Top-level keys of a Megatron-LM functional-test recipe that are not flags.
 RECIPE_SECTIONS = ("MODEL_ARGS", "ENV_VARS", "TEST_TYPE", "METRICS", "LAUNCHER", "BEFORE_SCRIPT", "MODE",
-                   "SPEC", "ARGUMENTS", "TEST_CASES")
+                   "SPEC", "ARGUMENTS", "TEST_CASES", "AFTER_SCRIPT", "TEST_EVALUATION", "THROUGHPUT_TEST_PARAMS")
+"""Top-level keys of a Megatron-LM functional-test recipe. Only MODEL_ARGS holds
+flags; the rest drive its CI harness (log checks, pass criteria) and are ignored."""
+_LATER_STAGE = re.compile(r"MODEL_ARGS_\d+")
+"""A later stage of a multi-stage recipe (a resumed or re-run job): the launcher runs
+the first stage, MODEL_ARGS, as the harness's first job does."""
 _UNSET_ENV = re.compile(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?")
 
 
@@ -216,7 +221,7 @@ def load_config_file(path: str) -> dict[str, Any]:
         model_args = config["MODEL_ARGS"] or {}
         if not isinstance(model_args, dict):
             raise ArgumentError(f"--config {path!r}: MODEL_ARGS must be a mapping of --flag: value")
-        extra = [k for k in config if k not in RECIPE_SECTIONS]
+        extra = [k for k in config if k not in RECIPE_SECTIONS and not _LATER_STAGE.fullmatch(str(k))]
         if extra:
             raise ArgumentError(f"--config {path!r}: top-level keys {extra} next to MODEL_ARGS; a recipe keeps its "
                                 "flags under MODEL_ARGS")
