@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from megatron_fsdp import device as device_mod
 from megatron_fsdp.training import checkpointing, determinism
+from megatron_fsdp.training.arg_types import DataParallelPath
 from megatron_fsdp.training.arguments import ArgumentError, parse_args
 from megatron_fsdp.training.data import BatchLayout
 from megatron_fsdp.training.data_integration import build_sources
@@ -71,10 +72,14 @@ def initialize_distributed(args) -> torch.device:
 
 
 def describe_run(args, device: torch.device, num_parameters: int) -> None:
-    if args.use_megatron_fsdp:
-        hsdp = (f", HSDP outer={args.num_distributed_optimizer_instances} ({args.outer_strategy.label})"
-                if args.num_distributed_optimizer_instances > 1 else "")
+    hsdp = (f", {args.num_distributed_optimizer_instances} optimizer instances ({args.outer_strategy.label} "
+            "across them)" if args.num_distributed_optimizer_instances > 1 else "")
+    if args.dp_path is DataParallelPath.MEGATRON_FSDP:
         wrapper = f"Megatron-FSDP ({args.zero_strategy.label}{hsdp})"
+    elif args.dp_path is DataParallelPath.MEGATRON_DDP:
+        optimizer = "distributed optimizer" if args.use_distributed_optimizer else "optimizer"
+        wrapper = (f"Megatron-core DDP + {optimizer} on Megatron-FSDP's {args.zero_strategy.label} ("
+                   f"{args.megatron_fsdp_main_grads_dtype} gradients, fp32 main weights{hsdp})")
     else:
         wrapper = "PyTorch DistributedDataParallel"
     data = "mock data" if args.mock_data else ", ".join(args.data_path or ["data/corpus.txt"])
@@ -294,8 +299,9 @@ def write_outputs(args, metrics: MetricsRecorder) -> None:
         metrics.write(args.log_json, config={k: v for k, v in vars(args).items() if _jsonable(v)})
         logger.info("> metrics written to %s", args.log_json)
     if args.plot_path and metrics.iterations:
-        title = f"{'Megatron-FSDP ' + args.zero_strategy.label if args.use_megatron_fsdp else 'DDP'}, " \
-                f"{args.world_size} ranks"
+        path = {DataParallelPath.MEGATRON_FSDP: f"Megatron-FSDP {args.zero_strategy.label}",
+                DataParallelPath.MEGATRON_DDP: "Megatron-core DDP", DataParallelPath.TORCH_DDP: "DDP"}[args.dp_path]
+        title = f"{path}, {args.world_size} ranks"
         if plot_loss_curve(args.plot_path, metrics.iterations, metrics.lm_loss, metrics.validation, title):
             logger.info("> loss curve written to %s", args.plot_path)
 

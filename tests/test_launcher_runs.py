@@ -278,3 +278,43 @@ def test_ddp_moe_needs_no_unused_parameter_search(pool2):
     assert not needs_find_unused_parameters(other)
     mark_expert_parameters(other)  # an MoE model this launcher does not know: DDP searches
     assert needs_find_unused_parameters(other)
+
+
+# -- Megatron-core DDP on this engine ---------------------------------------------------
+def _ddp_path_task(rank: int, world: int, *, flags: list[str]) -> dict:
+    import torch
+
+    from megatron_fsdp.training.arguments import parse_args
+    from megatron_fsdp.training.model_setup import setup_model_and_optimizer
+
+    args = parse_args(("--num-layers 1 --hidden-size 16 --num-attention-heads 2 --seq-length 8 "
+                       "--max-position-embeddings 8 --micro-batch-size 1 --lr 1e-3 --train-iters 2 --mock-data "
+                       "--vocab-size 64").split() + flags, world_size=world)
+    bundle = setup_model_and_optimizer(args, torch.device("cpu"))
+    model = bundle.model
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return dict(path=args.dp_path.value, wrapper="torch")
+    with model.compute_params_registered() as module:  # the weights forward computes with
+        weights = {p.dtype for p in module.parameters()}
+    main = {p.dtype for g in bundle.optimizer.param_groups for p in g["params"]}
+    return dict(path=args.dp_path.value, strategy=args.zero_strategy.label, weights=sorted(map(str, weights)),
+                main=sorted(map(str, main)), grads=str(model.mp_policy.main_grads_dtype))
+
+
+@pytest.mark.parametrize("flags, expected", [
+    ([], dict(path="torch-ddp", wrapper="torch")),
+    (["--use-distributed-optimizer"], dict(strategy="optim", weights=["torch.float32"], grads="torch.float32")),
+    (["--bf16"], dict(strategy="no_shard", weights=["torch.bfloat16"], grads="torch.float32")),
+    (["--bf16", "--grad-reduce-in-bf16"], dict(strategy="no_shard", grads="torch.bfloat16")),
+    (["--fp16"], dict(strategy="no_shard", weights=["torch.float16"], grads="torch.float16")),
+    (["--fp16", "--accumulate-allreduce-grads-in-fp32", "--use-distributed-optimizer"],
+     dict(strategy="optim", grads="torch.float32")),
+])
+def test_ddp_path_follows_megatron_core_ddp(pool2, flags, expected):
+    # megatron/training/arguments.py: bf16 accumulates and reduces gradients in fp32 unless
+    # --grad-reduce-in-bf16; fp16 keeps them in fp16 unless --accumulate-allreduce-grads-in-fp32;
+    # the optimizer always steps fp32 main weights.
+    for result in pool2.run(_ddp_path_task, flags=flags):
+        assert {k: result[k] for k in expected} == expected, (result, expected)
+        if result.get("wrapper") != "torch":
+            assert result["path"] == "megatron-ddp" and result["main"] == ["torch.float32"], result

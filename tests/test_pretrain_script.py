@@ -81,6 +81,10 @@ def runs(tmp_path_factory) -> dict:
         proc = run_ok(TINY + FSDP + ["--data-parallel-sharding-strategy", strategy,
                                      "--log-json", str(path), "--plot-path", "none", *save])
         results[strategy] = (load_metrics(path), proc.stdout, out / "ckpt" if save else None)
+    # Megatron-LM's most common launch: DDP + distributed optimizer, no FSDP flag.
+    proc = run_ok(TINY + ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+                          "--log-json", str(out / "ddp_distopt.json"), "--plot-path", "none"])
+    results["ddp_distopt"] = (load_metrics(out / "ddp_distopt.json"), proc.stdout, None)
     return results
 
 
@@ -104,6 +108,17 @@ def test_fsdp_matches_ddp_every_iteration(runs, strategy):
     for (it_a, a), (it_b, b) in zip(fsdp["validation"], ddp["validation"]):
         assert it_a == it_b and abs(a - b) <= 1e-4
     assert fsdp["lm_loss"][-1] < fsdp["lm_loss"][0] - 1.0
+
+
+def test_megatron_ddp_with_distributed_optimizer_matches_ddp(runs):
+    """[Note: Megatron-core DDP on this engine]: --use-distributed-optimizer without
+    --use-megatron-fsdp runs Megatron-FSDP's optim strategy (it used to be refused)."""
+    metrics, stdout, _ = runs["ddp_distopt"]
+    assert "Megatron-core DDP + distributed optimizer on Megatron-FSDP's optim" in stdout
+    ddp = runs["ddp"][0]
+    for it, a, b in zip(metrics["iterations"], metrics["lm_loss"], ddp["lm_loss"]):
+        assert abs(a - b) <= 1e-4, f"iteration {it}: loss {a} vs DDP {b}"
+    assert len(metrics["iterations"]) == len(ddp["iterations"])
 
 
 def test_log_lines_follow_megatron_format(runs):
@@ -197,7 +212,7 @@ def _parse(extra: list[str], world_size: int = 2):
         (FSDP + ["--outer-dp-sharding-strategy", "optim"], 2, "--num-distributed-optimizer-instances >= 2"),
         (["--global-batch-size", "6"], 2, "not divisible by --micro-batch-size=2 x data-parallel size 2"),
         (["--overlap-param-gather"], 2, "--overlap-param-gather needs --use-distributed-optimizer"),
-        (["--use-distributed-optimizer"], 2, "add --use-megatron-fsdp --data-parallel-sharding-strategy optim"),
+        (["--num-distributed-optimizer-instances", "2"], 2, "add --use-distributed-optimizer"),
         (["--bf16", "--fp16"], 2, "--bf16 and --fp16 are mutually exclusive"),
         (["--max-position-embeddings", "16"], 2, "raise it to at least 32"),
         (["--min-lr", "1.0"], 2, "--min-lr=1.0 is larger than --lr"),

@@ -38,4 +38,27 @@ class Precision(enum.Enum):
     FP16 = "fp16"
 
 
+class DataParallelPath(enum.Enum):
+    """How the launcher wraps the model (``derive_fields`` picks it from the flags).
+
+    [Note: Megatron-core DDP on this engine] Without ``--use-megatron-fsdp``,
+    Megatron-LM trains with megatron-core's DDP: the model in its compute dtype, a
+    gradient buffer (fp32 for bf16 models unless ``--grad-reduce-in-bf16``; the model's
+    dtype for fp16 unless ``--accumulate-allreduce-grads-in-fp32``), fp32 main weights
+    in the optimizer, and with ``--use-distributed-optimizer`` the optimizer state and
+    main weights sharded (ZeRO-1). Megatron-FSDP's ``no_shard`` and ``optim``
+    strategies are that design, so such runs use them with those dtypes. PyTorch DDP
+    remains for fp32 without a distributed optimizer, where it gives the same numbers
+    (up to the order of the gradient sum): before 2026-11-25 bf16/fp16 DDP runs kept
+    fp32 weights under autocast (fp32 residual stream and norms, unlike Megatron-LM) and
+    ``--use-distributed-optimizer`` without ``--use-megatron-fsdp`` was refused."""
+
+    MEGATRON_FSDP = "megatron-fsdp"
+    """``--use-megatron-fsdp``: the strategy of ``--data-parallel-sharding-strategy``."""
+    MEGATRON_DDP = "megatron-ddp"
+    """Megatron-core DDP (+ distributed optimizer): ``no_shard`` or ``optim``."""
+    TORCH_DDP = "torch-ddp"
+    """fp32, no distributed optimizer: PyTorch DDP."""
+
+
 BYTE_VOCAB_SIZE = 256

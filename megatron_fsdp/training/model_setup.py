@@ -5,16 +5,14 @@ The embedded GPT (``megatron_fsdp.models.gpt``) is the default; ``--use-mcore-mo
 swaps in Megatron-core's GPTModel with the same architecture through
 ``megatron_fsdp.models.mcore``, imported only then so megatron-core stays optional.
 
-[Note: mixed precision under DDP] With ``--use-megatron-fsdp`` and ``--bf16/--fp16``
-the model is cast before wrapping and Megatron-FSDP keeps fp32 main weights (per
-``--megatron-fsdp-*-dtype``). Plain DDP has no main-weight copy, so the DDP path
-keeps fp32 weights and runs forward under ``torch.autocast`` instead; the two are
-comparable but not bitwise equal in reduced precision (they are in fp32).
+With ``--bf16/--fp16`` the model is cast before wrapping and the optimizer steps
+fp32 main weights, under Megatron-FSDP and Megatron-core DDP alike (the latter runs
+on this engine's ``no_shard``/``optim`` strategies: [Note: Megatron-core DDP on this
+engine] in arg_types.py); PyTorch DDP wraps fp32 runs without a distributed optimizer.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from typing import Any, Callable, Optional
 
@@ -28,7 +26,7 @@ import megatron_fsdp as mf
 from megatron_fsdp import device as device_mod
 from megatron_fsdp.models.gpt import GPT, GPTConfig, TransformerBlock
 
-from .arg_types import Precision
+from .arg_types import DataParallelPath, Precision
 
 
 _PRECISION_DTYPES = {Precision.FP32: torch.float32, Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
@@ -45,9 +43,8 @@ class ModelBundle:
     optimizer: torch.optim.Optimizer
     loss_fn: LossFn
     is_fsdp: bool
+    """Wrapped by megatron_fsdp (the Megatron-FSDP and Megatron-core DDP paths), not PyTorch DDP."""
     num_parameters: int
-    autocast_dtype: Optional[torch.dtype] = None
-    """Set on the DDP path in reduced precision (see [Note: mixed precision under DDP])."""
     moe_balancing: Optional[Any] = None
     """megatron-core MoE models: ``models.mcore.McoreBalancingLoss`` (``clear()`` before a
     micro batch's forward, called after it). The embedded GPT reports its own."""
@@ -55,11 +52,6 @@ class ModelBundle:
     @property
     def params(self) -> list[torch.Tensor]:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
-
-    def forward_context(self, device: torch.device):
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=device.type, dtype=self.autocast_dtype)
 
     def nan_grad_names(self) -> list[str]:
         """Names of parameters whose reduced gradient holds NaN/Inf, from every rank."""
@@ -82,23 +74,22 @@ def setup_model_and_optimizer(args, device: torch.device) -> ModelBundle:
         module, loss_fn_factory, unit_modules = _build_embedded_gpt(args, device)
     num_parameters = sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
     dtype = _PRECISION_DTYPES[args.precision]
-    if args.use_megatron_fsdp:
+    if args.dp_path is DataParallelPath.TORCH_DDP:
+        model = _wrap_ddp(module, args, device)
+        optimizer = build_optimizer(model, args)
+    else:
         if dtype is not torch.float32:
             module = module.to(dtype)
         model = _wrap_megatron_fsdp(module, args, device, unit_modules)
         optimizer = mf.fully_shard_optimizer(build_optimizer(model, args))
-        autocast = None
-    else:
-        model = _wrap_ddp(module, args, device)
-        optimizer = build_optimizer(model, args)
-        autocast = None if dtype is torch.float32 else dtype
     balancing = None
     if args.use_mcore_models:
         from megatron_fsdp.models import mcore as mcore_models
 
         balancing = mcore_models.balancing_loss_reader(gpt_config_from_args(args))
-    return ModelBundle(model=model, optimizer=optimizer, loss_fn=loss_fn_factory(model), is_fsdp=args.use_megatron_fsdp,
-                       num_parameters=num_parameters, autocast_dtype=autocast, moe_balancing=balancing)
+    return ModelBundle(model=model, optimizer=optimizer, loss_fn=loss_fn_factory(model),
+                       is_fsdp=args.dp_path is not DataParallelPath.TORCH_DDP, num_parameters=num_parameters,
+                       moe_balancing=balancing)
 
 
 # -- models -----------------------------------------------------------------------
@@ -226,7 +217,7 @@ def _build_embedded_gpt(args, device: torch.device):
     if args.init_model_with_meta_device:
         with torch.device("meta"):
             module = GPT(cfg)
-        if not args.use_megatron_fsdp:
+        if args.dp_path is not DataParallelPath.MEGATRON_FSDP:  # DDP paths start from real weights
             module = _materialize(module, device)
     else:
         module = GPT(cfg).to(device)
@@ -340,7 +331,7 @@ def _wrap_megatron_fsdp(module: nn.Module, args, device: torch.device, unit_modu
         zero_dp_strategy=args.zero_strategy,
         outer_dp_sharding_strategy=args.outer_strategy,
         device=device,
-        init_model_with_meta_device=args.init_model_with_meta_device,
+        init_model_with_meta_device=args.init_model_with_meta_device and args.dp_path is DataParallelPath.MEGATRON_FSDP,
         mixed_precision_policy=ddp_config.mixed_precision_policy(),
         overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather,

@@ -128,7 +128,7 @@ def _forward_backward(ctx: StepContext, source: SampleSource, consumed: int) -> 
         with sync:
             if bundle.moe_balancing is not None:
                 bundle.moe_balancing.clear()
-            with ctx.timers.time("forward-compute"), bundle.forward_context(ctx.device):
+            with ctx.timers.time("forward-compute"):
                 loss_sum, tokens = bundle.loss_fn(inputs, targets)
             balancing = _moe_balancing_loss(ctx)
             if balancing is not None:
@@ -295,8 +295,7 @@ def evaluate(ctx: StepContext, source: SampleSource, eval_iters: int, consumed_s
         consumed = consumed_samples + it * ctx.layout.global_batch_size
         for m in range(ctx.layout.num_microbatches):
             inputs, targets = get_microbatch(source, ctx.layout, consumed, m, ctx.device)
-            with ctx.bundle.forward_context(ctx.device):
-                loss_sum, tokens = ctx.bundle.loss_fn(inputs, targets)
+            loss_sum, tokens = ctx.bundle.loss_fn(inputs, targets)
             loss_total += loss_sum.double()
             tokens_total += tokens
     totals = _global_sums(torch.stack([loss_total, torch.tensor(float(tokens_total), dtype=torch.float64,

@@ -20,7 +20,7 @@ from .. import device as device_mod
 from ..enums import ShardingStrategy
 from ..models.config import megatron_swiglu_ffn_hidden_size
 from . import determinism, tokenizers
-from .arg_types import BYTE_VOCAB_SIZE, LRDecayStyle, Precision, TokenizerType
+from .arg_types import BYTE_VOCAB_SIZE, DataParallelPath, LRDecayStyle, Precision, TokenizerType
 from .flag_table import FlagSpec, FlagStatus
 
 
@@ -279,10 +279,6 @@ def _data_parallel(args, world_size) -> list[str]:
     problems = []
     if args.use_megatron_fsdp and args.use_torch_fsdp2:  # Megatron-LM: the two are exclusive
         problems.append("--use-megatron-fsdp and --use-torch-fsdp2 are mutually exclusive; keep --use-megatron-fsdp")
-    if args.use_distributed_optimizer and not args.use_megatron_fsdp:
-        problems.append("--use-distributed-optimizer without --use-megatron-fsdp (Megatron-LM's DDP + distributed "
-                        "optimizer) is not implemented here; add --use-megatron-fsdp "
-                        "--data-parallel-sharding-strategy optim for the same ZeRO-1 sharding")
     if args.overlap_param_gather:  # Megatron-LM rules
         if not (args.use_distributed_optimizer or args.use_megatron_fsdp):
             problems.append("--overlap-param-gather needs --use-distributed-optimizer or --use-megatron-fsdp")
@@ -302,8 +298,6 @@ def _megatron_fsdp(args, world_size) -> list[str]:
     fsdp_only = {
         "--fsdp-double-buffer": args.fsdp_double_buffer,
         "--suggested-communication-unit-size": args.suggested_communication_unit_size is not None,
-        f"--num-distributed-optimizer-instances={args.num_distributed_optimizer_instances}":
-            args.num_distributed_optimizer_instances > 1,
         f"--outer-dp-sharding-strategy={args.outer_dp_sharding_strategy}":
             args.outer_dp_sharding_strategy != ShardingStrategy.NO_SHARD.label,
         "--init-model-with-meta-device": args.init_model_with_meta_device,
@@ -312,6 +306,10 @@ def _megatron_fsdp(args, world_size) -> list[str]:
         for flag, given in fsdp_only.items():
             if given and flag != "--init-model-with-meta-device":
                 problems.append(f"{flag} only applies to Megatron-FSDP; add --use-megatron-fsdp or drop it")
+        if args.num_distributed_optimizer_instances > 1 and not args.use_distributed_optimizer:
+            problems.append(f"--num-distributed-optimizer-instances={args.num_distributed_optimizer_instances} "
+                            "shards a distributed optimizer; add --use-distributed-optimizer (or "
+                            "--use-megatron-fsdp) or drop it")
         if args.ckpt_format == "fsdp_dtensor":  # Megatron-LM rule
             problems.append("--ckpt-format fsdp_dtensor is only used with --use-megatron-fsdp (Megatron-LM's rule); "
                             "add --use-megatron-fsdp or use --ckpt-format torch_dist")
@@ -496,10 +494,13 @@ def derive_fields(args: argparse.Namespace, world_size: int) -> None:
     if args.grad_reduce_in_bf16 and args.megatron_fsdp_grad_comm_dtype == "auto":
         args.megatron_fsdp_grad_comm_dtype = "bf16"
     args.split = args.split.strip().strip("'\"")
+    args.precision = Precision.BF16 if args.bf16 else Precision.FP16 if args.fp16 else Precision.FP32
+    args.dp_path = _data_parallel_path(args)
+    if args.dp_path is DataParallelPath.MEGATRON_DDP:
+        _megatron_ddp_fields(args)
     args.zero_strategy = ShardingStrategy.parse(args.data_parallel_sharding_strategy)
     args.outer_strategy = ShardingStrategy.parse(args.outer_dp_sharding_strategy)
     args.lr_decay = LRDecayStyle(args.lr_decay_style)
-    args.precision = Precision.BF16 if args.bf16 else Precision.FP16 if args.fp16 else Precision.FP32
     if args.tokenizer_type is None:
         args.tokenizer_type = (TokenizerType.NULL.value if args.mock_data and args.vocab_size is not None
                                else TokenizerType.BYTE.value)
@@ -520,6 +521,33 @@ def derive_fields(args: argparse.Namespace, world_size: int) -> None:
     if args.wandb_project and importlib.util.find_spec("wandb") is None:
         warnings.append(f"--wandb-project {args.wandb_project}: the wandb package is not installed, so nothing is "
                         "logged to Weights & Biases; `pip install wandb` (and WANDB_MODE=offline without a login)")
+
+
+def _data_parallel_path(args) -> DataParallelPath:
+    if args.use_megatron_fsdp:
+        return DataParallelPath.MEGATRON_FSDP
+    if args.use_distributed_optimizer or args.precision is not Precision.FP32:
+        return DataParallelPath.MEGATRON_DDP
+    return DataParallelPath.TORCH_DDP
+
+
+def _megatron_ddp_fields(args) -> None:
+    """Megatron-core DDP's design as Megatron-FSDP options ([Note: Megatron-core DDP on
+    this engine]); the gradient dtype follows megatron/training/arguments.py: fp32 for
+    bf16 models unless --grad-reduce-in-bf16, the model's dtype for fp16 models unless
+    --accumulate-allreduce-grads-in-fp32."""
+    args.data_parallel_sharding_strategy = (ShardingStrategy.OPTIM if args.use_distributed_optimizer
+                                            else ShardingStrategy.NO_SHARD).label
+    args.outer_dp_sharding_strategy = ShardingStrategy.NO_SHARD.label
+    args.megatron_fsdp_main_params_dtype = "fp32"
+    if args.precision is Precision.BF16:
+        grads = "bf16" if args.grad_reduce_in_bf16 else "fp32"
+    elif args.precision is Precision.FP16:
+        grads = "fp32" if args.accumulate_allreduce_grads_in_fp32 else "fp16"
+    else:
+        grads = "fp32"
+    args.megatron_fsdp_main_grads_dtype = grads
+    args.megatron_fsdp_grad_comm_dtype = "auto"  # reduced in the buffer's dtype, as Megatron's DDP does
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int) -> int:
