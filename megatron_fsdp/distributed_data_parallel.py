@@ -37,11 +37,10 @@ from .config import DistributedDataParallelConfig
 from .distributed_index import FSDPDistributedIndex, build_default_mesh
 from .enums import ShardingStrategy
 from .megatron_fsdp import MegatronFSDP
-from .state_dict import get_full_state_dict, sharded_state_dict, torch_key
+from .state_dict import get_full_state_dict, sharded_state_dict
 
 logger = logging.getLogger(__name__)
 
-_EXTRA_STATE_SUFFIX = "._extra_state"
 _OUR_FIELDS = {f.name: f for f in dataclasses.fields(DistributedDataParallelConfig) if f.init}
 
 
@@ -399,17 +398,11 @@ class FullyShardedDataParallel(nn.Module):
         return self.module.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
 
     # -- state dicts ----------------------------------------------------------------------
-    def _extra_states(self) -> Iterator[tuple[str, nn.Module]]:
-        for name, m in self.module.module.named_modules():
-            if type(m).get_extra_state is not nn.Module.get_extra_state:
-                yield torch_key(name + _EXTRA_STATE_SUFFIX if name else _EXTRA_STATE_SUFFIX[1:]), m
-
     def state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> dict:
         """Main weights (DTensors where sharded), persistent buffers and modules'
         extra state, keyed like the unwrapped model's ``state_dict``."""
-        out = sharded_state_dict(self.module, prefix=prefix, keep_vars=keep_vars, module_prefix=False)
-        for key, m in self._extra_states():
-            out[prefix + key] = m.get_extra_state()
+        out = sharded_state_dict(self.module, prefix=prefix, keep_vars=keep_vars, module_prefix=False,
+                                 extra_state=True)
         if destination is not None:
             destination.update(out)
             return destination
@@ -421,13 +414,7 @@ class FullyShardedDataParallel(nn.Module):
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False):
         """Load our ``state_dict()`` (same sharding) or full tensors, e.g. the state
         dict of an unwrapped model or of Megatron-core's DDP."""
-        extra = {m_key: m for m_key, m in self._extra_states()}
-        weights = {k: v for k, v in state_dict.items() if k not in extra}
-        result = self.module.load_state_dict(weights, strict=strict, assign=assign)
-        for key, m in extra.items():
-            if key in state_dict:
-                m.set_extra_state(state_dict[key])
-        return result
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
         """Megatron-core distributed-checkpointing state dict: the wrapped model's

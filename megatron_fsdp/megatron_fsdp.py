@@ -323,7 +323,10 @@ class MegatronFSDP(RefusesCopies, nn.Module):
             average_in_collective=cfg.average_in_collective,
             overlap=cfg.overlap_grad_reduce,
             max_inflight=cfg.max_inflight_grad_reductions,
-            check_for_nan=cfg.check_for_nan_in_grad,
+            # Upstream's report_nan_in_param_grad raises on a NaN/Inf gradient too (during
+            # backward, on the rank that has it, stranding the others in their next
+            # collective); here both raise on every rank once the reductions are done.
+            check_for_nan=cfg.check_for_nan_in_grad or self.report_nan_in_param_grads,
         )
 
     # -- forward ------------------------------------------------------------------
@@ -419,8 +422,6 @@ class MegatronFSDP(RefusesCopies, nn.Module):
         self.grad_reduce_pipeline.raise_if_nonfinite()
         self.grad_reduce_pipeline.sync_usage()
         self.param_and_grad_buffer.attach_grads(self.grad_reduce_pipeline.global_used)
-        if self.report_nan_in_param_grads:
-            self.report_nan_in_param_grad()
 
     def zero_grad_buffer(self) -> None:
         self._zero_buffers(grads_stay_attached=True)
@@ -706,10 +707,21 @@ class MegatronFSDP(RefusesCopies, nn.Module):
         for name, param in self.param_and_grad_buffer.named_dist_params():
             yield prefix + name, param
 
+    @property
+    def keeps_extra_state(self) -> bool:
+        """[Note: extra state] Whether ``state_dict()`` holds the modules' extra state
+        (``<name>._extra_state``, e.g. TransformerEngine's FP8 metadata). As upstream:
+        yes, unless ``fully_shard``'s ``preproc_state_dict_for_dcp_ckpt`` (on by default)
+        drops it under a sharded strategy. Loading sets any extra state it is given."""
+        preproc = getattr(self, "preproc_state_dict_for_dcp_ckpt", False)
+        return not (preproc and self.strategy is not ShardingStrategy.NO_SHARD)
+
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> dict:
-        """Main weights (standard DTensors where sharded, see state_dict.py) and
-        persistent buffers, keyed ``module.<name>`` as upstream's. Collective."""
-        out = state_dict_mod.sharded_state_dict(self, prefix=prefix, keep_vars=keep_vars)
+        """Main weights (standard DTensors where sharded, see state_dict.py),
+        persistent buffers and modules' extra state ([Note: extra state]), keyed
+        ``module.<name>`` as upstream's. Collective."""
+        out = state_dict_mod.sharded_state_dict(self, prefix=prefix, keep_vars=keep_vars,
+                                                extra_state=self.keeps_extra_state)
         if destination is not None:
             destination.update(out)
             return destination

@@ -1,4 +1,4 @@
-"""``check_for_nan_in_grad`` without stalling the GPU.
+"""``check_for_nan_in_grad`` (and ``report_nan_in_param_grad``) without stalling the GPU.
 
 Each gradient collective records, on the device, whether this rank's local
 gradient of the group held NaN/Inf (``note``); nothing is read back then. Once per
@@ -27,6 +27,13 @@ def _nonfinite(flat: torch.Tensor) -> torch.Tensor:
     return torch.logical_not(torch.isfinite(low) & torch.isfinite(high))
 
 
+class NonFiniteGradError(FloatingPointError, ValueError):
+    """NaN/Inf in a gradient, raised on every rank before the optimizer step. A
+    ``FloatingPointError`` (``check_for_nan_in_grad``'s error here) and a ``ValueError``
+    (what upstream's ``report_nan_in_param_grad=True`` raises), so handlers written
+    for either catch it."""
+
+
 class NonFiniteGradTracker:
     def __init__(self) -> None:
         self._flags: dict = {}  # ParameterGroup -> 0-dim bool tensor, OR-ed over microbatches
@@ -37,7 +44,7 @@ class NonFiniteGradTracker:
         self._flags[group] = bad if previous is None else previous | bad
 
     def raise_if_nonfinite(self, groups: Iterable) -> None:
-        """Raise ``FloatingPointError`` on every rank when any rank noted NaN/Inf
+        """Raise ``NonFiniteGradError`` on every rank when any rank noted NaN/Inf
         since the last call. ``groups`` gives the order, identical on every rank."""
         noted = [g for g in groups if g in self._flags]
         if not noted:
@@ -53,7 +60,7 @@ class NonFiniteGradTracker:
             dist.all_reduce(local, op=dist.ReduceOp.MAX, group=pg)
         if not bool(torch.cat(combined).any()):  # the step's one host sync
             return
-        raise FloatingPointError(_describe(by_pg, flags))
+        raise NonFiniteGradError(_describe(by_pg, flags))
 
 
 def _describe(by_pg: dict, flags: dict) -> str:
@@ -74,8 +81,8 @@ def _describe(by_pg: dict, flags: dict) -> str:
         found.append(f"rank {rank}: {', '.join(names) or ', '.join(sorted(culprits[rank]))}")
     return (
         f"NaN or Inf in the local gradient ({'; '.join(found)}); check the loss and the inputs of the named rank "
-        "(found by check_for_nan_in_grad=True after the gradient collectives, before the optimizer step: no weight "
-        "changed)"
+        "(found by check_for_nan_in_grad / report_nan_in_param_grad after the gradient collectives, before the "
+        "optimizer step: no weight changed)"
     )
 
 

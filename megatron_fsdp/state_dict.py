@@ -143,6 +143,18 @@ def torch_key(name: str) -> str:
     return name.replace(CHECKPOINT_WRAPPER_SEGMENT, "")
 
 
+EXTRA_STATE = "_extra_state"
+
+
+def extra_states(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """``(key, submodule)`` for every submodule with extra state (one that overrides
+    ``get_extra_state``, e.g. TransformerEngine's), keyed as ``nn.Module.state_dict()``
+    keys it (``<name>._extra_state``, ``torch_key`` form)."""
+    for name, sub in module.named_modules():
+        if type(sub).get_extra_state is not nn.Module.get_extra_state:
+            yield torch_key(f"{name}.{EXTRA_STATE}" if name else EXTRA_STATE), sub
+
+
 def _alias_names(model: "MegatronFSDP") -> dict[str, str]:
     """Every state-dict name of a parameter (tied weights have several, as in
     ``nn.Module.state_dict()``; ``torch_key`` form) -> the name the buffer files it under."""
@@ -151,10 +163,12 @@ def _alias_names(model: "MegatronFSDP") -> dict[str, str]:
 
 
 def sharded_state_dict(
-    model: "MegatronFSDP", *, prefix: str = "", keep_vars: bool = False, module_prefix: bool = True
+    model: "MegatronFSDP", *, prefix: str = "", keep_vars: bool = False, module_prefix: bool = True,
+    extra_state: bool = False,
 ) -> "OrderedDict[str, Any]":
-    """Main weights and persistent buffers, keyed ``module.<name>`` like upstream
-    (``module_prefix=False``: keyed like the wrapped module).
+    """Main weights, persistent buffers and (``extra_state``) modules' extra state,
+    keyed ``module.<name>`` like upstream (``module_prefix=False``: keyed like the
+    wrapped module).
 
     Sharded weights are gathered per parameter group (a collective over its data-
     parallel group) and handed out as standard DTensors (``standard_dtensor``):
@@ -180,6 +194,9 @@ def sharded_state_dict(
         out[base + alias] = values[name]
     for name, value in _persistent_buffers(model.module):
         out[base + torch_key(name)] = value if keep_vars else value.detach()
+    if extra_state:
+        for key, sub in extra_states(model.module):
+            out[base + key] = sub.get_extra_state()
     return out
 
 
@@ -201,8 +218,9 @@ def _own_keys(model: "MegatronFSDP", state_dict: Mapping[str, Any]) -> tuple[dic
     missing, unexpected)."""
     aliases = {alias: torch_key(name) for alias, name in _alias_names(model).items()}
     buffers = [torch_key(n) for n, _ in _persistent_buffers(model.module)]
+    extras = [key for key, _ in extra_states(model.module)]
     canonical = list(dict.fromkeys(aliases.values())) + buffers
-    known = set(aliases) | set(canonical)
+    known = set(aliases) | set(canonical) | set(extras)
     given: dict[str, str] = {}
     named: dict[str, str] = {}  # name -> the key that gave it
     unexpected, twice = [], []
@@ -236,6 +254,8 @@ def _own_keys(model: "MegatronFSDP", state_dict: Mapping[str, Any]) -> tuple[dic
             "cannot load the state dict into the model (nothing was loaded): these keys name the same tensor "
             f"with different values: {'; '.join(twice)}; keep one form (module.<name> or <name>)"
         )
+    if model.keeps_extra_state:  # [Note: extra state]: expected where state_dict() gives it
+        canonical += extras
     missing = [MODULE_PREFIX + n for n in canonical if n not in given]
     return given, missing, unexpected
 
@@ -259,10 +279,12 @@ def load_sharded_state_dict(model: "MegatronFSDP", state_dict: Mapping[str, Any]
     """
     own = sharded_state_dict(model, keep_vars=True, module_prefix=False)
     given, missing, unexpected = _own_keys(model, state_dict)
+    extras = {key: sub for key, sub in extra_states(model.module) if key in given}
     mismatched = [
         f"{given[k]}: checkpoint {_describe(state_dict[given[k]])} vs model {_describe(own[k])}"
         for k in given
-        if not isinstance(state_dict[given[k]], torch.Tensor) or state_dict[given[k]].shape != own[k].shape
+        if k not in extras
+        and (not isinstance(state_dict[given[k]], torch.Tensor) or state_dict[given[k]].shape != own[k].shape)
     ]
     problems = []
     if mismatched:
@@ -292,6 +314,8 @@ def load_sharded_state_dict(model: "MegatronFSDP", state_dict: Mapping[str, Any]
         target = own[key].to_local() if isinstance(own[key], DTensor) else own[key]
         if source.data_ptr() != target.data_ptr():
             target.copy_(source.view_as(target))
+    for key, sub in extras.items():
+        sub.set_extra_state(state_dict[given[key]])
     model.install_optimized_model_weights()
     return nn.modules.module._IncompatibleKeys(missing, unexpected)
 

@@ -308,3 +308,66 @@ def test_broadcast_from_rank0(pool2, strategy):
             assert "broadcast_from_rank0" in message and "full_state_dict=True" in message, message
             assert unchanged
         assert resumed < TOL, resumed
+
+
+class _WithExtraState(torch.nn.Linear):
+    """A module with extra state (TransformerEngine keeps its FP8 metadata so)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.counter = 0
+
+    def get_extra_state(self):
+        return {"counter": self.counter}
+
+    def set_extra_state(self, state):
+        self.counter = state["counter"]
+
+
+def extra_state_worker(rank, world, *, strategy, preproc, path):
+    """[Note: extra state] upstream's rule for ``<name>._extra_state``, then a DCP save
+    and load (through DSD too) that carries it."""
+    def build():
+        torch.manual_seed(0)
+        module = torch.nn.Sequential(_WithExtraState(4, 5), torch.nn.Linear(5, 3))
+        return module, mf.fully_shard_model(module, fsdp_unit_modules=[torch.nn.Linear], zero_dp_strategy=strategy,
+                                            preproc_state_dict_for_dcp_ckpt=preproc)
+
+    module, model = build()
+    module[0].counter = 7
+    keys = sorted(k for k in model.state_dict() if k.endswith("_extra_state"))
+    dcp.save({"model": model.state_dict()}, checkpoint_id=path)
+    module2, model2 = build()
+    state = {"model": model2.state_dict()}
+    dcp.load(state, checkpoint_id=path)
+    model2.load_state_dict(state["model"])
+    via_dcp = module2[0].counter
+    module3, model3 = build()
+    set_model_state_dict(model3, get_model_state_dict(model))  # DSD's own walk
+    return keys, via_dcp, module3[0].counter
+
+
+@pytest.mark.parametrize("strategy, preproc", [("no_shard", True), ("optim_grads_params", False),
+                                               ("optim_grads_params", True)])
+def test_extra_state_follows_upstream(pool2, tmp_path, strategy, preproc):
+    # Upstream's fully_shard drops *_extra_state only with preproc_state_dict_for_dcp_ckpt
+    # under a sharded strategy; we used to drop it always (and refuse it on load).
+    kept = not preproc or strategy == "no_shard"
+    for keys, via_dcp, via_dsd in pool2.run(extra_state_worker, strategy=strategy, preproc=preproc,
+                                            path=str(tmp_path / "ckpt")):
+        assert keys == (["module.0._extra_state"] if kept else [])
+        assert (via_dcp, via_dsd) == ((7, 7) if kept else (0, 0))
+
+
+def extra_state_load_worker(rank, world):
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(_WithExtraState(4, 5), torch.nn.Linear(5, 3))
+    plain = {"module." + k: v for k, v in module.state_dict().items()}
+    plain["module.0._extra_state"] = {"counter": 3}
+    model = mf.fully_shard_model(module, fsdp_unit_modules=[torch.nn.Linear], zero_dp_strategy="optim_grads_params")
+    result = model.load_state_dict(plain, strict=True)  # dropped on save, still set on load
+    return module[0].counter, list(result.missing_keys), list(result.unexpected_keys)
+
+
+def test_extra_state_in_a_checkpoint_is_loaded(pool2):
+    assert pool2.run(extra_state_load_worker) == [(3, [], [])] * 2
