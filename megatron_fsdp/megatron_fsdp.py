@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import importlib
 import logging
@@ -414,11 +415,24 @@ class MegatronFSDP(RefusesCopies, nn.Module):
     def start_grad_sync(self, *unused: Any) -> None:
         self.grad_reduce_pipeline.start_all()
 
-    def finish_grad_sync(self) -> None:
-        """Reduce what is left, wait for every collective, hand gradients to the optimizer."""
+    def finish_grad_sync(self, force_all_reduce: Optional[bool] = False) -> None:
+        """Reduce what is left, wait for every collective, hand gradients to the optimizer.
+        ``force_all_reduce`` is accepted and unused, as upstream's (Megatron-LM's
+        ``finalize_model_grads`` passes it for DDP's sake)."""
+        self.synchronize_gradient_reduce()
+        self.attach_grad_to_optimizer_state()
+
+    def synchronize_gradient_reduce(self) -> None:
+        """Launch the gradient reductions not yet launched and wait for all of them,
+        the outer (HSDP) ones included; ``attach_grad_to_optimizer_state`` then hands
+        the gradients over (upstream's two halves of ``finish_grad_sync``)."""
         self.start_grad_sync()
         self.grad_reduce_pipeline.wait_all()
         self.grad_reduce_pipeline.reduce_outer()
+
+    def attach_grad_to_optimizer_state(self) -> None:
+        """After ``synchronize_gradient_reduce``: the NaN check (when on), then the
+        reduced gradients become the distributed parameters' ``.grad``. Collective."""
         self.grad_reduce_pipeline.raise_if_nonfinite()
         self.grad_reduce_pipeline.sync_usage()
         self.param_and_grad_buffer.attach_grads(self.grad_reduce_pipeline.global_used)
@@ -470,24 +484,26 @@ class MegatronFSDP(RefusesCopies, nn.Module):
         return bad
 
     # -- mixed precision ---------------------------------------------------------------
-    def reset_mixed_precision_policy(self, policy: MixedPrecisionPolicy) -> None:
-        """Switch ``grad_comm_dtype`` between steps. The main dtypes size persistent
-        buffers, so they are fixed at construction."""
-        for field in ("main_params_dtype", "main_grads_dtype"):
-            if getattr(policy, field) != getattr(self.mp_policy, field):
-                raise ValueError(
-                    f"{field} cannot change after construction ({getattr(self.mp_policy, field)} -> "
-                    f"{getattr(policy, field)}); only grad_comm_dtype can. Re-wrap the model to change it."
-                )
+    def reset_mixed_precision_policy(self, mixed_precision_policy: MixedPrecisionPolicy) -> None:
+        """Take ``grad_comm_dtype`` from ``mixed_precision_policy`` between steps.
+
+        As upstream, the main dtypes stay those of construction (they size persistent
+        buffers): the policy's ``main_params_dtype`` / ``main_grads_dtype`` are not
+        read (a ``MixedPrecisionPolicy(grad_comm_dtype=...)`` carries their defaults).
+        Upstream 0.6.1 takes the new ``grad_comm_dtype`` only with ``nccl_ub`` or
+        ``fsdp_double_buffer``, against its own comment, and otherwise keeps the old
+        one; here it always takes effect."""
+        check_policy(mixed_precision_policy)
+        policy = dataclasses.replace(self.mp_policy, grad_comm_dtype=mixed_precision_policy.grad_comm_dtype)
         self.grad_reduce_pipeline.wait_all()  # collectives in flight finish in their own dtype
         self.mp_policy = policy
         self.grad_reduce_pipeline.policy = policy
 
     @contextlib.contextmanager
-    def mixed_precision_context(self, policy: MixedPrecisionPolicy) -> Iterator[None]:
-        """Use ``policy`` (a different ``grad_comm_dtype``) inside the block."""
+    def mixed_precision_context(self, mixed_precision_policy: MixedPrecisionPolicy) -> Iterator[None]:
+        """Use ``mixed_precision_policy``'s ``grad_comm_dtype`` inside the block."""
         previous = self.mp_policy
-        self.reset_mixed_precision_policy(policy)
+        self.reset_mixed_precision_policy(mixed_precision_policy)
         try:
             yield
         finally:
@@ -652,8 +668,9 @@ class MegatronFSDP(RefusesCopies, nn.Module):
         )
         self._runtime.register_grad_hooks(group)
 
-    def start_param_sync(self, *unused: Any, force_sync: bool = False) -> None:
-        """Refresh replicated model weights after a ZeRO-1/2 step (async with overlap)."""
+    def start_param_sync(self, *unused: Any, force_sync: bool = False, force_dispatch: bool = False) -> None:
+        """Refresh replicated model weights after a ZeRO-1/2 step (async with overlap).
+        ``force_dispatch`` is accepted and unused, as in upstream 0.6.1."""
         groups = self.param_and_grad_buffer.groups
         async_op = self.ddp_config.overlap_param_gather and not force_sync
         self.all_gather_pipeline.unshard([g for g in groups if not g.model_weights.is_distributed], async_op=async_op)
@@ -663,6 +680,25 @@ class MegatronFSDP(RefusesCopies, nn.Module):
         ``model.parameters()`` made since into the compute weights (collective)."""
         self.all_gather_pipeline.wait_all()
         self._refresh_edited_weights()
+
+    def synchronize_param_gather(self) -> None:
+        """Wait for every weight all-gather in flight (Megatron-LM's schedules call it
+        before evaluation and checkpointing)."""
+        self.all_gather_pipeline.wait_all()
+
+    def get_distributed_index(self) -> FSDPDistributedIndex:
+        """The process groups and device meshes this model uses."""
+        return self.dist_index
+
+    def all_gather_and_wait_parameters_ready(
+        self, params: Any, prefetch: bool = True, prefetch_order: Any = None, wait_bucket_ready: bool = True,
+        bwd: bool = False,
+    ) -> None:
+        raise NotImplementedError(
+            "MegatronFSDP.all_gather_and_wait_parameters_ready is upstream's internal step of its forward hooks; "
+            "here the forward gathers each unit itself. To read full weights use "
+            "megatron_fsdp.get_full_state_dict(model) or model.unshard_module()"
+        )
 
     @torch.no_grad()
     def broadcast_params(self) -> None:

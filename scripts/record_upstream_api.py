@@ -29,7 +29,7 @@ PACKAGE = "megatron_fsdp"
 FUNCTIONS = {"fully_shard.py": ("fully_shard_model", "fully_shard_optimizer", "fully_shard")}
 INIT_OF = {"megatron_fsdp.py": "MegatronFSDP", "utils.py": "FSDPDistributedIndex"}
 DATACLASSES = {"mixed_precision.py": "MixedPrecisionPolicy", "distributed_data_parallel_config.py": "DistributedDataParallelConfig"}
-METHODS_OF = {"utils.py": "FSDPDistributedIndex"}
+METHODS_OF = {"utils.py": "FSDPDistributedIndex", "megatron_fsdp.py": "MegatronFSDP"}
 # Public helpers that Megatron-LM's own code imports from these modules.
 HELPER_MODULES = ("utils.py", "uneven_dtensor.py")
 

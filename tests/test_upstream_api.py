@@ -94,6 +94,18 @@ def test_dist_index_methods():
         assert [p["name"] for p in params] == [n for n in names if n != "self"], method
 
 
+def test_megatron_fsdp_methods():
+    """Every public method of upstream's MegatronFSDP, with its parameter names (Megatron-LM's
+    schedules and finalize_model_grads call synchronize_param_gather, synchronize_gradient_reduce
+    and finish_grad_sync(force_all_reduce=...): before 2026-11-25 those failed here)."""
+    for method, params in API["methods"]["MegatronFSDP"].items():
+        ours = getattr(mf.MegatronFSDP, method, None)
+        assert callable(ours), f"MegatronFSDP.{method} is missing"
+        names = [n for n, p in inspect.signature(ours).parameters.items()
+                 if n != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        assert [p["name"] for p in params] == names, method
+
+
 @pytest.mark.parametrize("module", sorted(MEGATRON_LM_IMPORTS))
 def test_helpers_megatron_lm_imports(module):
     ours = getattr(mf, module)

@@ -360,3 +360,39 @@ def dcp_recipe_worker(rank, world, *, strategy, path):
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_upstream_dcp_recipe_resumes_bit_equal(pool, tmp_path, strategy):
     assert all(pool.run(dcp_recipe_worker, strategy=strategy, path=str(tmp_path / "ckpt")))
+
+
+def split_sync_worker(rank, world, *, strategy):
+    """Megatron-LM's schedule with upstream's split sync calls: backward under
+    no_sync, then synchronize_gradient_reduce + attach_grad_to_optimizer_state (what
+    finish_grad_sync does in two halves), the step, and synchronize_param_gather;
+    finish_grad_sync(force_all_reduce=True) as finalize_model_grads passes it."""
+    base = make_model("net")
+    batches = make_batches("net", 4, GLOBAL_BATCH)
+    expected = train_reference(base, "net", batches, "adamw")
+    model = fully_shard_model(copy.deepcopy(base), fsdp_unit_modules=[Block], zero_dp_strategy=strategy,
+                              overlap_grad_reduce=True, overlap_param_gather=True)
+    opt = fully_shard_optimizer(make_optimizer("adamw")(model.parameters()))
+    assert model.get_distributed_index() is model.dist_index
+    for step, (x, y) in enumerate(batches):
+        model.zero_grad_buffer()
+        opt.zero_grad()
+        with model.no_sync():
+            loss_fn("net", model(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+        if step % 2:
+            model.finish_grad_sync(force_all_reduce=True)
+        else:
+            model.synchronize_gradient_reduce()
+            model.attach_grad_to_optimizer_state()
+        opt.step()
+        model.start_param_sync(force_dispatch=True)
+        model.synchronize_param_gather()
+    with pytest.raises(NotImplementedError, match="get_full_state_dict"):
+        model.all_gather_and_wait_parameters_ready([])
+    return max_param_diff(mf.get_full_state_dict(model), expected)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_upstream_split_sync_calls(pool2, strategy):
+    for diff in pool2.run(split_sync_worker, strategy=strategy):
+        assert diff < TOL, diff
