@@ -126,7 +126,7 @@ class MegatronFSDP(RefusesCopies, nn.Module):
         module: nn.Module,
         dist_index: Optional[FSDPDistributedIndex] = None,
         ddp_config: Optional[DistributedDataParallelConfig] = None,
-        mixed_precision_policy: Optional[MixedPrecisionPolicy] = None,
+        mixed_precision_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
         fsdp_unit_modules: Optional[Sequence[Any]] = None,
         disable_bucketing: bool = False,
         device: Optional[torch.device] = None,
@@ -172,9 +172,11 @@ class MegatronFSDP(RefusesCopies, nn.Module):
             enable_fine_grained_param_gather_hook or self.ddp_config.megatron_fsdp_enable_fine_grained_param_gather
         )
         self.strategy: ShardingStrategy = self.ddp_config.sharding_strategy
-        if mixed_precision_policy is not None:
-            check_policy(mixed_precision_policy)
-        self.mp_policy = mixed_precision_policy or self.ddp_config.mixed_precision_policy()
+        # As upstream's class: the policy given (default: fp32 main weights), never
+        # ddp_config's megatron_fsdp_*_dtype fields, which Megatron-core's adapter
+        # (FullyShardedDataParallel) turns into the policy it passes.
+        check_policy(mixed_precision_policy)
+        self.mp_policy = mixed_precision_policy
         self.device = device_mod.resolve_device(device)
         self.dist_index = dist_index or FSDPDistributedIndex(
             build_default_mesh(device_mod.mesh_device_type(self.device)), dp_shard_dim="fsdp", tp_dim="tp"

@@ -31,8 +31,6 @@ OURS = {
 # Defaults that differ on purpose: (callable or class, name) -> why.
 KNOWN_DEFAULT_DIFFERENCES = {
     ("MegatronFSDP", "dist_index"): "ours builds a default (world, 1) mesh when omitted; upstream requires it",
-    ("MegatronFSDP", "mixed_precision_policy"): "None derives the policy from ddp_config's megatron_fsdp_*_dtype "
-    "fields, which for a default config is MixedPrecisionPolicy() (the same numbers)",
     ("FSDPDistributedIndex", "dp_shard_dim"): "required here (upstream raises later without an FSDP group)",
 }
 # Helpers Megatron-LM's own code imports from upstream's modules.

@@ -396,3 +396,19 @@ def split_sync_worker(rank, world, *, strategy):
 def test_upstream_split_sync_calls(pool2, strategy):
     for diff in pool2.run(split_sync_worker, strategy=strategy):
         assert diff < TOL, diff
+
+
+def class_policy_worker(rank, world):
+    cfg = mf.DistributedDataParallelConfig(data_parallel_sharding_strategy="optim_grads_params",
+                                           megatron_fsdp_main_params_dtype=None,
+                                           megatron_fsdp_main_grads_dtype=torch.bfloat16)
+    model = mf.MegatronFSDP(make_model("net").to(torch.bfloat16), ddp_config=cfg, fsdp_unit_modules=[Block])
+    main = {p.dtype for p in model.parameters()}
+    return model.mp_policy == MixedPrecisionPolicy(), sorted(map(str, main))
+
+
+def test_class_default_policy_is_upstreams(pool2):
+    # Upstream's MegatronFSDP(mixed_precision_policy=MixedPrecisionPolicy()) does not read
+    # ddp_config's dtype fields (Megatron-core's adapter turns them into the policy it
+    # passes); this class used to, giving bf16 main weights here where upstream has fp32.
+    assert pool2.run(class_policy_worker) == [(True, ["torch.float32"])] * 2
