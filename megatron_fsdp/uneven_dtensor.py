@@ -32,6 +32,8 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from .piece_dtensor import PieceDTensor
+
 __all__ = [
     "filter_unflattened_state_dict",
     "gather_and_compute_chunk_metadata",
@@ -167,6 +169,10 @@ def uneven_dtensor_to_full_tensor(dtensor: DTensor) -> torch.Tensor:
     holds every chunk and places each at its offset. Collective."""
     if not isinstance(dtensor, DTensor):
         raise TypeError(f"uneven_dtensor_to_full_tensor needs a DTensor, got {type(dtensor).__name__}")
+    if isinstance(dtensor, PieceDTensor):
+        # A distributed parameter, its gradient or optimizer state: a flat piece, not
+        # rows (full_tensor() names the fix); a value reduced from pieces is whole.
+        return dtensor.full_tensor()
     meta = gather_and_compute_chunk_metadata(dtensor)
     chunks = [(tuple(meta.offsets), tuple(meta.sizes))]
     data = dtensor.to_local().contiguous().reshape(-1)

@@ -15,6 +15,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 import megatron_fsdp as mf
+import megatron_fsdp.uneven_dtensor
 from models import Block, Net, SkipNet, loss_fn, make_batches
 from test_patterns import STRATEGIES, TOL, Ctx, _loss, _optimizer, loop_plain
 
@@ -393,7 +394,11 @@ def dtensor_api_worker(rank, world, *, strategy):
     refused = {}
     for name, call in {"full_tensor": lambda: weight.full_tensor(), "t": lambda: weight.t(),
                        "sum_dim": lambda: weight.sum(dim=0), "view": lambda: weight.view(-1),
-                       "state_full_tensor": lambda: opt.state[weight]["exp_avg"].full_tensor()}.items():
+                       "state_full_tensor": lambda: opt.state[weight]["exp_avg"].full_tensor(),
+                       # upstream's helper, which Megatron-LM calls on parameters: it raised
+                       # torch's "expanded size" error here
+                       "uneven_full_tensor": lambda: megatron_fsdp.uneven_dtensor.uneven_dtensor_to_full_tensor(
+                           weight)}.items():
         try:
             call()
             refused[name] = "no error"
