@@ -37,7 +37,7 @@ def gather_full_state_dict(
     device = torch.device(device)
     keep = not rank0_only or dist.get_rank() == 0
     buffer = model.param_and_grad_buffer
-    model.all_gather_pipeline.wait_all()
+    model.settle_weights_for_reading()  # edits since the step included
     timeout = model.all_gather_pipeline.timeout
     full: dict[str, torch.Tensor] = {}
     for group in buffer.groups:

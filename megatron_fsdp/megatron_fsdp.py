@@ -683,6 +683,17 @@ class MegatronFSDP(RefusesCopies, nn.Module):
         self.all_gather_pipeline.wait_all()
         self._refresh_edited_weights()
 
+    def settle_weights_for_reading(self) -> None:
+        """Before weights are read outside the step (state dicts, export): wait for the
+        weight refresh in flight and bring in in-place edits made since the step, so
+        every rank reads the edited values (ZeRO-1/2 used to hand out the stale
+        replicas of other ranks' shards, different on each rank). The next forward
+        still checks for edits: more may follow the read. Collective."""
+        self.all_gather_pipeline.wait_all()
+        armed = self._check_edits
+        self._refresh_edited_weights()
+        self._check_edits = armed
+
     def synchronize_param_gather(self) -> None:
         """Wait for every weight all-gather in flight (Megatron-LM's schedules call it
         before evaluation and checkpointing)."""

@@ -183,7 +183,7 @@ def sharded_state_dict(
     else:
         from .full_state_dict import _gather_main_weights  # it imports this module
 
-        model.all_gather_pipeline.wait_all()
+        model.settle_weights_for_reading()  # edits since the step included
         for group in buffer.groups:
             flat, _ = _gather_main_weights(group, model.all_gather_pipeline.timeout)
             for index, (name, param) in enumerate(zip(group.names, group.params)):

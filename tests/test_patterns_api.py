@@ -349,3 +349,37 @@ def checkpoint_wrapper_worker(rank, world, *, strategy, when, path):
 def test_checkpoint_wrapper(pool2, tmp_path, strategy, when):
     for diff in pool2.run(checkpoint_wrapper_worker, strategy=strategy, when=when, path=str(tmp_path / "ckpt")):
         assert diff < TOL, diff
+
+
+def read_after_edit_worker(rank, world, *, strategy):
+    """Weights read right after an in-place edit (the usual checkpoint before evaluation,
+    an EMA copied back, a re-initialisation) hold the edit on every rank; an edit after
+    that read still reaches training. ZeRO-1/2 used to hand out the other ranks'
+    stale shards, different on each rank (MegatronFSDP.settle_weights_for_reading)."""
+    model, opt, reference, ref_opt = wrapped_with_reference(SkipNet, strategy)
+    batches = make_batches("net", 3, batch=4 * world)
+    reads = []
+
+    def edit(params, how):
+        with torch.no_grad():
+            for p in params:
+                p.mul_(0.5) if how == "halve" else p.add_(0.01)
+
+    for step, (x, y) in enumerate(batches):
+        for m, o, ctx in ((reference, ref_opt, Ctx(rank, world, True)), (model, opt, Ctx(rank, world, False))):
+            loop_plain(m, o, step, x, y, ctx)
+        edit(reference.parameters(), "halve")
+        edit(model.parameters(), "halve")
+        full = mf.get_full_state_dict(model)
+        state = {k[len("module."):]: v.full_tensor() for k, v in model.state_dict().items() if "." in k}
+        reads.append(max(max((full[n] - p).abs().max().item(), (state[n] - p).abs().max().item())
+                         for n, p in reference.named_parameters()))
+        edit(reference.parameters(), "shift")  # after the read: the next forward must see it
+        edit(model.parameters(), "shift")
+    return max(reads), _full_diff(model, reference)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_weights_read_after_an_in_place_edit(pool2, strategy):
+    for read, trained in pool2.run(read_after_edit_worker, strategy=strategy):
+        assert read < TOL and trained < TOL, (read, trained)
