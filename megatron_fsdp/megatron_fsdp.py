@@ -683,6 +683,11 @@ class MegatronFSDP(RefusesCopies, nn.Module):
         self.all_gather_pipeline.wait_all()
         self._refresh_edited_weights()
 
+    def check_distributed_params(self) -> None:
+        """Refuse, before an optimizer step changes anything, distributed parameters
+        whose ``.data`` was assigned or that carry a post-accumulate hook (param_swap.py)."""
+        self._registered.check_distributed()
+
     def settle_weights_for_reading(self) -> None:
         """Before weights are read outside the step (state dicts, export): wait for the
         weight refresh in flight and bring in in-place edits made since the step, so

@@ -73,6 +73,8 @@ class OptimizerBinding:
             with torch.enable_grad():
                 loss = closure()
             kwargs["closure"] = _Returns(loss)
+        for model in self.models:
+            model.check_distributed_params()
         if sync:
             for model in self.models:
                 if not model.model_auto_sync:

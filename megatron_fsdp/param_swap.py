@@ -45,9 +45,22 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from typing import Optional
 
 import torch
 import torch.nn as nn
+
+
+def _wrapper_address(tensor: torch.Tensor) -> Optional[int]:
+    """[Note: data assignment] ``param.data = value`` on a DTensor parameter (an old
+    initialisation habit; torch's ``vector_to_parameters`` does it too) replaces only
+    the wrapper's own storage: the local tensor, this rank's piece of the buffers that
+    the optimizer and the forward use, keeps its values, so training would go on from
+    the old weights. The wrapper's data pointer is where that replacement shows."""
+    try:
+        return torch.Tensor.data_ptr(tensor)
+    except RuntimeError:  # a torch whose wrappers have no pointer to read: nothing to compare
+        return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +69,7 @@ class _Registration:
     name: str
     compute: nn.Parameter
     dist: nn.Parameter
+    dist_address: Optional[int]
 
 
 def _set_param(module: nn.Module, name: str, param: nn.Parameter) -> None:
@@ -86,6 +100,15 @@ _POST_ACCUMULATE_MESSAGE = (
 )
 
 
+_DATA_MESSAGE = (
+    "{name}.data was assigned after wrapping (param.data = value, or torch.nn.utils.vector_to_parameters): on "
+    "megatron_fsdp's DTensor parameters that replaces only the wrapper, not the values the optimizer and the "
+    "forward use, so training would go on from the old weights ([Note: data assignment] in param_swap.py). Load "
+    "new values with model.load_state_dict({{name: full_tensor, ...}}, strict=False), or edit in place under "
+    "torch.no_grad() (p.mul_(...), p.zero_(), torch.nn.init.constant_(p, v)). No weight has changed"
+)
+
+
 _REMOVED_MESSAGE = (
     "{name} is no longer the parameter megatron_fsdp registered there at wrapping (deleted, replaced, or moved "
     "by a parametrization such as weight_norm registered after wrapping): the wrapper would put its own weight "
@@ -108,19 +131,28 @@ class RegisteredParams:
                 dist = dist_of.get(param)
                 if dist is None:
                     raise AssertionError(f"parameter {name!r} of {type(sub).__name__} has no distributed twin")
-                self._registrations.append(_Registration(sub, name, param, dist))
+                self._registrations.append(_Registration(sub, name, param, dist, _wrapper_address(dist)))
         for r in self._registrations:
             share_grad_hooks(r.compute, r.dist)
         self.compute_registered = True
         """Whether the compute parameters are the registered ones (as at wrapping)."""
 
+    def check_distributed(self) -> None:
+        """Refuse what would make the distributed parameters silently stop meaning the
+        weights (the next forward and every optimizer step check, before any change)."""
+        for r in self._registrations:
+            name = f"{type(r.module).__name__}.{r.name}"
+            if r.dist._post_accumulate_grad_hooks is not None:
+                raise RuntimeError(_POST_ACCUMULATE_MESSAGE.format(name=name))
+            if r.dist_address is not None and _wrapper_address(r.dist) != r.dist_address:
+                raise RuntimeError(_DATA_MESSAGE.format(name=name))
+
     @torch.compiler.disable  # a graph break (hooks.py [Note: hooks under torch.compile])
     def register_compute(self) -> None:
         if self.compute_registered:
             return
-        for r in self._registrations:  # every check before the first swap: all or nothing
-            if r.dist._post_accumulate_grad_hooks is not None:
-                raise RuntimeError(_POST_ACCUMULATE_MESSAGE.format(name=f"{type(r.module).__name__}.{r.name}"))
+        self.check_distributed()  # every check before the first swap: all or nothing
+        for r in self._registrations:
             if r.module._parameters.get(r.name) is not r.dist:
                 # module_guards.py [Note: parameters added after wrapping]: a deletion, or a
                 # parametrization that moved the parameter, escapes the registration hooks.

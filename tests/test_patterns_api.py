@@ -383,3 +383,37 @@ def read_after_edit_worker(rank, world, *, strategy):
 def test_weights_read_after_an_in_place_edit(pool2, strategy):
     for read, trained in pool2.run(read_after_edit_worker, strategy=strategy):
         assert read < TOL and trained < TOL, (read, trained)
+
+
+def data_assignment_worker(rank, world, *, strategy, how, then):
+    """[Note: data assignment] ``param.data = value`` and ``vector_to_parameters`` used to
+    be ignored silently (training went on from the old weights); the next forward or
+    step refuses them, with nothing changed."""
+    model, opt, _, _ = wrapped_with_reference(SkipNet, strategy)
+    before = {k: v.clone() for k, v in mf.get_full_state_dict(model).items()}
+    if how == "data":
+        weight = model.module.out.weight
+        weight.data = torch.full(weight.shape, 0.3)
+    else:
+        total = sum(p.numel() for p in model.parameters())
+        torch.nn.utils.vector_to_parameters(torch.linspace(-0.5, 0.5, total), model.parameters())
+    x, y = make_batches("net", 1, batch=4 * world)[0]
+    try:
+        if then == "forward":
+            model(x.chunk(world)[rank])
+        else:
+            opt.step()
+        message = "no error"
+    except RuntimeError as exc:
+        message = str(exc)
+    after = mf.get_full_state_dict(model)
+    return message, all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize("then", ["forward", "step"])
+@pytest.mark.parametrize("how", ["data", "vector_to_parameters"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_data_assignment_is_refused(pool2, strategy, how, then):
+    for message, unchanged in pool2.run(data_assignment_worker, strategy=strategy, how=how, then=then):
+        assert ".data was assigned after wrapping" in message and "load_state_dict" in message, message
+        assert unchanged
