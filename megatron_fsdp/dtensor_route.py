@@ -35,7 +35,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["DispatchRoute", "ROUTE", "route_for", "torch_dispatch_route", "torch_function_route", "verify"]
+__all__ = ["AUTOGRAD_ENTRY_POINTS", "DispatchRoute", "ROUTE", "autograd_refusal", "route_for", "torch_dispatch_route",
+           "torch_function_route", "verify"]
 
 Guard = Callable  # (func, types, args, kwargs, base) -> outputs
 
@@ -117,11 +118,32 @@ def verify(value: DTensor, cls: type) -> None:
     _verified.add(cls)
 
 
-def torch_function_route(guard: Guard):
-    """The subclass's ``__torch_function__`` (the ``TORCH_FUNCTION`` route)."""
+AUTOGRAD_ENTRY_POINTS = (torch.autograd.backward, torch.autograd.grad)
+"""``loss.backward(inputs=...)`` and ``torch.autograd.grad(..., inputs)`` reach a
+subclass's ``__torch_function__`` when an input is one of its instances."""
+
+
+def autograd_refusal(message: str):
+    """A ``__torch_function__`` for the ``TORCH_DISPATCH`` route that refuses the autograd
+    entry points with ``message`` and leaves every other call as DTensor has it (torch
+    function disabled: the op goes on to ``__torch_dispatch__``)."""
+
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in AUTOGRAD_ENTRY_POINTS:
+            raise RuntimeError(message)
+        return torch._C._disabled_torch_function_impl(func, types, args, kwargs or {})
+
+    return classmethod(__torch_function__)
+
+
+def torch_function_route(guard: Guard, autograd_message: str | None = None):
+    """The subclass's ``__torch_function__`` (the ``TORCH_FUNCTION`` route);
+    ``autograd_message``: refuse the autograd entry points with it."""
 
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if autograd_message is not None and func in AUTOGRAD_ENTRY_POINTS:
+            raise RuntimeError(autograd_message)
         with torch._C.DisableTorchFunctionSubclass():
             if getattr(func, "__name__", None) == "__get__":
                 return func(*args, **kwargs)  # a property read (.grad, .shape): no op to guard

@@ -151,6 +151,10 @@ class HookRuntime:
         """Units whose forward finished in the current forward."""
         self._several_forwards = False
         """The current backward serves more than one forward of some unit."""
+        self._higher_order = False
+        """A create_graph backward left a graph that reads gathered weights ([Note: higher-order gradients])."""
+        self._create_graph = False
+        """The current backward builds a graph (create_graph=True)."""
         self._logged_several = False
         self._handles: list[Any] = []
 
@@ -245,6 +249,7 @@ class HookRuntime:
             self._unrequested = []
             self._released_in_backward = set()
             self._begin_several_forwards()
+            self._begin_higher_order()
             self.on_backward_start()
 
     def _begin_several_forwards(self) -> None:
@@ -267,6 +272,24 @@ class HookRuntime:
             logger.info("megatron_fsdp: a backward serves several forwards of an FSDP unit (ZeRO-3): units stay "
                         "gathered until their gradients are complete and reductions run after the backward. "
                         "Wrap forwards that are not backpropagated in torch.no_grad() to keep the overlap.")
+
+    def _begin_higher_order(self) -> None:
+        """[Note: higher-order gradients] A backward with ``create_graph=True`` (a
+        gradient penalty: ``torch.autograd.grad(out, x, create_graph=True)``, then
+        ``backward()`` of a loss built from it) records a graph whose nodes read the
+        compute weights, and the later backward runs them in an order no unit hook
+        sees. Under ZeRO-3 those weights would be released under them (torch's
+        "setStorage ... out of bounds for storage of size 0"). So that backward, and
+        the next one, keep every unit gathered, as several forwards do, and reduce at
+        the end; the weights go at the end of the next backward without
+        create_graph (or at the step). Autograd runs hooks in the graph's grad mode,
+        which is how ``create_graph`` is seen here."""
+        if not self.reduce_at_boundaries:
+            return  # weights that are never released need nothing
+        self._create_graph = torch.is_grad_enabled()
+        if self._create_graph or self._higher_order:
+            self._several_forwards = True
+        self._higher_order |= self._create_graph
 
     # -- units --------------------------------------------------------------------
     @_eager
@@ -384,6 +407,8 @@ class HookRuntime:
             if self.reduce_at_boundaries:
                 for group in trainable:
                     self.grad_reduce.reduce(group, sync=sync)
+            if self._create_graph:
+                continue  # [Note: higher-order gradients]: the next backward reads them
             self.all_gather.reshard(trainable)
             if any(g.model_weights.is_distributed for g in trainable):
                 self._released_in_backward.add(passed)
@@ -405,8 +430,9 @@ class HookRuntime:
         if not (self.reduce_at_boundaries and group.unit is not None):
             self.grad_reduce.reduce(group, sync=self.sync_enabled())
         # Every use of these weights has produced its gradient: they are free to go
-        # (the root's stay inside no_sync: [Note: root groups across micro batches]).
-        if group.unit is not None or self.sync_enabled():
+        # (the root's stay inside no_sync: [Note: root groups across micro batches];
+        # a higher-order graph may still read them: [Note: higher-order gradients]).
+        if (group.unit is not None or self.sync_enabled()) and not self._higher_order:
             self.all_gather.reshard([group])
 
     @_eager
@@ -424,6 +450,10 @@ class HookRuntime:
             # per micro batch, as upstream does. Only the step changes weights, and it
             # releases every gathered sharded group (install_optimized_model_weights).
             keep = set() if sync else set(self.root_groups)
+            if self._create_graph:  # [Note: higher-order gradients]: the next backward reads them
+                keep = set(self.buffer.groups)
+            else:
+                self._higher_order = False
             self.all_gather.reshard([g for g in self.buffer.groups if g not in keep])
             for unit in self.units:
                 unit.state = TrainingState.IDLE

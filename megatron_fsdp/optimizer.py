@@ -33,7 +33,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from .megatron_fsdp import MegatronFSDP
 from .owners import compute_owner_of, owner_of
 from .optimizer_state_dict import state_dict_hooks
-from .piece_dtensor import PieceDTensor, piece_dtensor
+from .piece_dtensor import PieceDTensor, is_flat_piece, piece_dtensor
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class OptimizerBinding:
                     model.finish_grad_sync()
         if self._swapped is not None:  # a previous step raised before its post-hook
             self._swapped.restore()
-        pieces = any(isinstance(p, PieceDTensor) for g in optimizer.param_groups for p in g["params"])
+        pieces = any(is_flat_piece(p) for g in optimizer.param_groups for p in g["params"])
         if pieces:
             refuse_whole_tensor_optimizer(optimizer)
         # Replicated groups' local tensors are whole parameters: any optimizer is exact there.

@@ -368,12 +368,12 @@ class ParamAndGradBuffer:
         split raises (piece_dtensor.py [Note: flat pieces]; state dicts supply real
         offsets separately: see state_dict.py). Replicated groups inside a sharded
         model become Replicate DTensors, so one optimizer sees one kind."""
+        placements = group.dp.placements
         if not group.strategy.shards_optimizer:
+            # Replicate DTensors too, as upstream's; PieceDTensor for the autograd refusal
+            # (piece_dtensor.py [Note: autograd to distributed parameters]).
             placements = (Replicate(),) * group.dp.mesh.ndim
-            return DTensor.from_local(
-                local, group.dp.mesh, placements, run_check=False, shape=like.shape, stride=like.stride()
-            )
-        return piece_dtensor(local, group.dp.mesh, group.dp.placements, shape=like.shape, stride=like.stride())
+        return piece_dtensor(local, group.dp.mesh, placements, shape=like.shape, stride=like.stride())
 
     # -- lookups ----------------------------------------------------------------
     def slot(self, compute_param: nn.Parameter) -> tuple[ParameterGroup, int]:

@@ -32,6 +32,7 @@ Full weights come from ``megatron_fsdp.get_full_state_dict(model)`` or
 from __future__ import annotations
 
 import enum
+import math
 import sys
 
 import torch
@@ -39,7 +40,7 @@ from torch.distributed.tensor import DTensor, Partial, Shard
 
 from . import dtensor_route
 
-__all__ = ["PieceDTensor", "piece_dtensor"]
+__all__ = ["PieceDTensor", "is_flat_piece", "piece_dtensor"]
 
 aten = torch.ops.aten
 _MEAN = {aten.mean.default}
@@ -96,6 +97,32 @@ def _is_full_reduction(func, args, kwargs) -> bool:
     return dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0)
 
 
+_EXTREME_NORMS = {aten.linalg_vector_norm.default, aten._foreach_norm.Scalar}
+
+
+def _stand_in_for_empty_pieces(func, args, kwargs):
+    """An inf (-inf) norm is a max (min) of absolute values, which an empty piece (a
+    rank holding no element of a parameter) cannot take: torch raises "cannot compute
+    the inf norm on an empty tensor" where the other norms sum to 0. Such a piece
+    takes part as one element holding the identity of that max (0: absolute values are
+    never below it) or min (+inf), so ``clip_grad_norm_(..., norm_type=inf)`` is exact
+    on every split. The decision depends only on shapes, the same on every rank."""
+    order = kwargs.get("ord", args[1] if len(args) > 1 else 2)
+    if order not in (math.inf, -math.inf):
+        return args, kwargs
+    fill = 0.0 if order > 0 else math.inf
+
+    def stand_in(t):
+        if not (isinstance(t, PieceDTensor) and _sharded(t) and t._local_tensor.numel() == 0):
+            return t
+        local = torch.full((1,), fill, dtype=t._local_tensor.dtype, device=t._local_tensor.device)
+        return PieceDTensor(local, t._spec, requires_grad=False)
+
+    first = args[0]
+    first = [stand_in(t) for t in first] if isinstance(first, (list, tuple)) else stand_in(first)
+    return (first, *args[1:]), kwargs
+
+
 def _guard(func, types, args, kwargs, base):
     """The aten-level guard ([Note: flat pieces]); ``base`` computes an op as plain
     DTensor does ([Note: DTensor subclass routes])."""
@@ -104,10 +131,12 @@ def _guard(func, types, args, kwargs, base):
         # them, but a Partial one read on the host is this rank's part alone.
         if func is aten._local_scalar_dense.default and _partial(args[0]):
             raise NotImplementedError(_PARTIAL_READ)
-        return _rewrap_outputs(base(func, types, args, kwargs), func, args, kwargs)
+        return _keep_partial_guarded(_rewrap_outputs(base(func, types, args, kwargs), func, args, kwargs))
     if func in _MEAN:
         total = _guard(aten.sum.default, types, (args[0],), {"dtype": kwargs.get("dtype")}, base)
         return _guard(aten.div.Scalar, types, (total, args[0].numel()), {}, base)
+    if func in _EXTREME_NORMS:
+        args, kwargs = _stand_in_for_empty_pieces(func, args, kwargs)
     kind = _KINDS.get(func)
     if kind is None:
         kind = _KINDS[func] = _classify(func)
@@ -123,13 +152,32 @@ def _guard(func, types, args, kwargs, base):
     return _rewrap_outputs(out, func, args, kwargs)
 
 
+# [Note: autograd to distributed parameters] The forward computes with the compute
+# parameters (gathered copies), so the distributed ones (model.parameters() between
+# steps) are not in the autograd graph: loss.backward(inputs=those) computed nothing and
+# trained nothing, silently, and torch.autograd.grad(loss, those) failed with torch's
+# "not used in the graph". Both reach this type's __torch_function__ (the no_shard
+# strategy's replicated parameters are PieceDTensors too) and are refused.
+_AUTOGRAD_MESSAGE = (
+    "torch.autograd.backward(inputs=...) / torch.autograd.grad(..., inputs) with megatron_fsdp's parameters: "
+    "the forward computes with gathered copies of them, so autograd would return no gradient (and backward "
+    "with inputs= would train nothing). Call loss.backward() (freeze what must not train with "
+    "requires_grad_(False)) and read p.grad after it; gradients with respect to activations or inputs "
+    "(torch.autograd.grad(out, x)) work as usual. No gradient or weight has changed"
+)
+
+
 class PieceDTensor(DTensor):
-    """A DTensor over a flat piece, or a value reduced from one ([Note: flat pieces])."""
+    """A DTensor over a flat piece, or a value reduced from one ([Note: flat pieces]);
+    also the replicated parameters of ``no_shard`` groups, on which every op is
+    DTensor's own (nothing is sharded) but the autograd entry points are refused
+    ([Note: autograd to distributed parameters])."""
 
     if dtensor_route.ROUTE is dtensor_route.DispatchRoute.TORCH_DISPATCH:
         __torch_dispatch__ = dtensor_route.torch_dispatch_route(_guard)
+        __torch_function__ = dtensor_route.autograd_refusal(_AUTOGRAD_MESSAGE)
     else:
-        __torch_function__ = dtensor_route.torch_function_route(_guard)
+        __torch_function__ = dtensor_route.torch_function_route(_guard, _AUTOGRAD_MESSAGE)
 
     def redistribute(self, device_mesh=None, placements=None, *, async_op=False, **kwargs):  # type: ignore[override]
         if not _sharded(self):  # a reduced value: DTensor's redistribution is exact
@@ -191,6 +239,11 @@ def _sharded(t: DTensor) -> bool:
     return any(isinstance(p, Shard) for p in t.placements)
 
 
+def is_flat_piece(t) -> bool:
+    """A ``PieceDTensor`` holding a sharded flat piece (not a replicated whole)."""
+    return isinstance(t, PieceDTensor) and _sharded(t)
+
+
 def _partial(t) -> bool:
     return isinstance(t, DTensor) and any(isinstance(p, Partial) for p in t.placements)
 
@@ -239,6 +292,18 @@ def _piece_specs(args, kwargs) -> set:
     for value in (*args, *kwargs.values()):
         visit(value)
     return specs
+
+
+def _keep_partial_guarded(out):
+    """A value computed from reduced pieces that is still ``Partial`` (``torch.stack`` of
+    per-parameter inf norms: clip_grad_norm_'s total) stays a ``PieceDTensor``, so reading
+    it on the host raises instead of returning this rank's part (the 2-norm's total
+    DTensor makes ``Replicate`` itself)."""
+    if isinstance(out, (list, tuple)):
+        return type(out)(_keep_partial_guarded(o) for o in out)
+    if type(out) is DTensor and _partial(out):
+        return PieceDTensor(out._local_tensor, out._spec, requires_grad=out.requires_grad)
+    return out
 
 
 def _rewrap_like(out, like):

@@ -117,6 +117,21 @@ def loop_retain_graph(model, opt, step, x, y, ctx):
     opt.step()
 
 
+def loop_input_gradient_penalty(model, opt, step, x, y, ctx):
+    """A gradient penalty through the inputs (WGAN-GP, R1): autograd.grad with
+    create_graph=True, then one backward of loss + penalty ([Note: higher-order
+    gradients]: ZeRO-3 failed in torch with "storage of size 0")."""
+    opt.zero_grad()
+    total = 0.0
+    for _, xr, yr in ctx.shares(x, y):
+        xr = xr.clone().requires_grad_(True)
+        out = model(xr)
+        (gx,) = torch.autograd.grad(out.sum(), xr, create_graph=True)
+        total = total + loss_fn("net", out, yr) + 0.1 * gx.pow(2).mean()
+    (total / len(ctx.ranks())).backward()
+    opt.step()
+
+
 def loop_closure(model, opt, step, x, y, ctx):
     def closure():
         opt.zero_grad()
@@ -203,6 +218,7 @@ LOOPS = {
     "microbatches_without_no_sync": loop_no_sync_free_accumulation,
     "requires_gradient_sync": loop_requires_gradient_sync,
     "retain_graph_twice": loop_retain_graph,
+    "input_gradient_penalty": loop_input_gradient_penalty,
     "closure": loop_closure,
     "inplace_edit": loop_inplace_edit,
     "freeze_toggle": loop_freeze_toggle,
@@ -269,7 +285,7 @@ def test_rank_dependent_graph(pool, strategy, overlap):
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize(
     "loop", ["model_zero_grad", "microbatches_without_no_sync", "retain_graph_twice", "closure", "inplace_edit",
-             "grad_written_before_backward", "requires_gradient_sync"]
+             "grad_written_before_backward", "requires_gradient_sync", "input_gradient_penalty"]
 )
 def test_training_patterns(pool2, strategy, loop):
     """Items 4-7: model.zero_grad(), reducing twice without zeroing, step(closure),

@@ -417,3 +417,32 @@ def test_data_assignment_is_refused(pool2, strategy, how, then):
     for message, unchanged in pool2.run(data_assignment_worker, strategy=strategy, how=how, then=then):
         assert ".data was assigned after wrapping" in message and "load_state_dict" in message, message
         assert unchanged
+
+
+def autograd_inputs_worker(rank, world, *, strategy, how):
+    """[Note: autograd to distributed parameters] backward(inputs=params) trained nothing,
+    silently; autograd.grad(loss, params) failed in torch's words. Both are refused
+    before anything changes, on every rank."""
+    model, opt, _, _ = wrapped_with_reference(SkipNet, strategy)
+    before = {k: v.clone() for k, v in mf.get_full_state_dict(model).items()}
+    x, y = make_batches("net", 1, batch=4 * world)[0]
+    loss = loss_fn("net", model(x.chunk(world)[rank]), y.chunk(world)[rank])
+    params = list(model.module.blocks[0].parameters())
+    try:
+        if how == "backward_inputs":
+            loss.backward(inputs=params)
+        else:
+            torch.autograd.grad(loss, params)
+        message = "no error"
+    except RuntimeError as exc:
+        message = str(exc)
+    after = mf.get_full_state_dict(model)
+    return message, all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize("how", ["backward_inputs", "autograd_grad"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_autograd_with_parameter_inputs_is_refused(pool2, strategy, how):
+    for message, unchanged in pool2.run(autograd_inputs_worker, strategy=strategy, how=how):
+        assert "gathered copies" in message and "loss.backward()" in message, message
+        assert unchanged

@@ -32,14 +32,18 @@ def _same_objects(a, b) -> bool:
 
 
 # -- item 1: optimizer and clip_grad_norm_ on model.module.parameters() ---------------------------
-def loop_clip(model, opt, step, x, y, ctx, norms):
+def loop_clip(model, opt, step, x, y, ctx, norms, norm_type=2.0, foreach=None):
     opt.zero_grad()
     _loss(model, ctx, x, y).backward()
-    norms.append(torch.nn.utils.clip_grad_norm_(ctx.module(model).parameters(), MAX_NORM).item())
+    norm = torch.nn.utils.clip_grad_norm_(ctx.module(model).parameters(), MAX_NORM, norm_type=norm_type,
+                                          foreach=foreach)
+    # An inf norm's total stays Partial(max) over sharded pieces: .item() refuses it
+    # (this rank's part), full_tensor() reduces it; the 2-norm's total is Replicate.
+    norms.append((norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item())
     opt.step()
 
 
-def module_optimizer_worker(rank, world, *, strategy, clip, steps=3):
+def module_optimizer_worker(rank, world, *, strategy, clip, steps=3, norm_type=2.0, foreach=None):
     torch.manual_seed(0)
     base = SkipNet()
     batches = make_batches("net", steps, batch=4 * world)
@@ -53,7 +57,7 @@ def module_optimizer_worker(rank, world, *, strategy, clip, steps=3):
         for m, o, ns, ctx in ((reference, ref_opt, ref_norms, Ctx(rank, world, True)),
                               (model, opt, norms, Ctx(rank, world, False))):
             if clip:
-                loop_clip(m, o, step, x, y, ctx, ns)
+                loop_clip(m, o, step, x, y, ctx, ns, norm_type=norm_type, foreach=foreach)
             else:
                 loop_plain(m, o, step, x, y, ctx)
     same_after = _same_objects(model.module.parameters(), model.parameters())
@@ -70,6 +74,17 @@ def test_optimizer_and_clip_on_module_parameters(pool2, strategy, clip):
     train (and clip) as single-process training; those are model.parameters()."""
     for diff, norm_diff, same in pool2.run(module_optimizer_worker, strategy=strategy, clip=clip):
         assert diff < TOL and norm_diff < TOL and same, (diff, norm_diff, same)
+
+
+@pytest.mark.parametrize("foreach", [None, False, True])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_clip_with_the_inf_norm(pool2, strategy, foreach):
+    """An inf norm over pieces, some of them empty (a rank holding no element of a
+    bias): torch raised "cannot compute the inf norm on an empty tensor"
+    (piece_dtensor.py _stand_in_for_empty_pieces)."""
+    for diff, norm_diff, _ in pool2.run(module_optimizer_worker, strategy=strategy, clip=True,
+                                        norm_type=float("inf"), foreach=foreach):
+        assert diff < TOL and norm_diff < TOL, (diff, norm_diff)
 
 
 @pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
