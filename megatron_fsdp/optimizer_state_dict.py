@@ -86,11 +86,22 @@ def standardize_optimizer_state_dict(optimizer: torch.optim.Optimizer, state_dic
             slot = buffer.dist_slot(param) if owner_of(param) is model else None
             if slot is not None and index in states and slot[0].strategy.shards_optimizer:
                 entries.setdefault(slot[0], []).append((index, slot[1]))
+            elif slot is not None and index in states:  # replicated: already whole, only the type
+                states[index] = {k: _plain_dtensor(v) for k, v in states[index].items()}
         timeout = model.all_gather_pipeline.timeout
         for group in buffer.groups:  # the buffer's order: the same collectives on every rank
             if group in entries:
                 _standardize_group(group, entries[group], states, timeout)
     return state_dict
+
+
+def _plain_dtensor(value: Any) -> Any:
+    """A replicated ``PieceDTensor`` (no_shard's states) as the plain DTensor a standard
+    state dict holds, sharing its local tensor."""
+    if not isinstance(value, PieceDTensor):
+        return value
+    return DTensor.from_local(value.to_local(), value.device_mesh, value.placements, run_check=False,
+                              shape=value.shape, stride=value.stride())
 
 
 def _standardize_group(group: "ParameterGroup", entries: list[tuple[int, int]], states: dict, timeout) -> None:
