@@ -213,3 +213,34 @@ def test_vocab_files_without_a_type_mean_gpt2_bpe():
     assert _parse(["--mock-data"]).tokenizer_type == "ByteTokenizer"  # no files: the launcher's own default
     with pytest.raises(ArgumentError, match="--merge-file"):  # half of GPT-2's pair
         _parse(["--mock-data", *files[:2]])
+
+
+# -- --decoupled-lr ------------------------------------------------------------------------
+@pytest.mark.parametrize("untie", [False, True])
+def test_decoupled_lr_gives_embedding_and_output_their_own_schedule(untie):
+    # megatron/core/optimizer/__init__.py: is_embedding_or_output_parameter groups get
+    # max_lr=--decoupled-lr, min_lr=--decoupled-min-lr; OptimizerParamScheduler.get_lr
+    # runs the same warmup and decay between each group's bounds.
+    from megatron_fsdp.models.gpt import GPT
+    from megatron_fsdp.training.model_setup import build_optimizer, gpt_config_from_args
+
+    extra = ["--untie-embeddings-and-output-weights"] if untie else []
+    args = _parse(["--mock-data", "--vocab-size", "64", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2",
+                   "--min-lr", "1e-4", "--decoupled-lr", "1e-2", "--decoupled-min-lr", "1e-3", *extra])
+    model = GPT(gpt_config_from_args(args))
+    optimizer = build_optimizer(model, args)
+    own = [g for g in optimizer.param_groups if "max_lr" in g]
+    expected = {id(model.wte.weight), id(model.lm_head.weight)}
+    assert {id(p) for g in own for p in g["params"]} == expected
+    assert sum(len(g["params"]) for g in optimizer.param_groups) == len(list(model.parameters()))
+    schedule = LRSchedule.from_args(args)
+    for step in range(10):
+        logged = schedule.apply(optimizer)
+        for group in optimizer.param_groups:
+            bounds = (1e-2, 1e-3) if "max_lr" in group else (3e-3, 1e-4)
+            want = _megatron_lr(step, max_lr=bounds[0], min_lr=bounds[1], warmup=2, decay=8, style="cosine")
+            assert group["lr"] == pytest.approx(want), (step, bounds)
+        assert logged == pytest.approx(_megatron_lr(step, max_lr=3e-3, min_lr=1e-4, warmup=2, decay=8, style="cosine"))
+        schedule.step()
+    plain = build_optimizer(model, _parse(["--mock-data", "--vocab-size", "64"]))
+    assert not any("max_lr" in g for g in plain.param_groups)

@@ -40,6 +40,9 @@ class GPT(nn.Module):
         self.lm_head = InitLinear(cfg.hidden_size, cfg.vocab_size, bias=False, std=std)
         if not cfg.untie_embeddings_and_output_weights:
             self.lm_head.weight = self.wte.weight
+        # megatron-core's mark (LanguageModule), read by --decoupled-lr's grouping.
+        self.wte.weight.is_embedding_or_output_parameter = True
+        self.lm_head.weight.is_embedding_or_output_parameter = True
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens: (batch, time) int64 -> logits (batch, time, vocab)."""

@@ -16,6 +16,7 @@ import dataclasses
 import enum
 import logging
 import math
+from typing import Optional
 
 import torch
 
@@ -74,19 +75,23 @@ class LRSchedule:
         return cls(max_lr=args.lr, min_lr=args.min_lr, warmup_steps=units.warmup_steps, decay_steps=units.decay_steps,
                    style=args.lr_decay, warmup_init=args.lr_warmup_init, increment=units.increment)
 
-    def lr_at(self, step: int) -> float:
+    def lr_at(self, step: int, *, max_lr: Optional[float] = None, min_lr: Optional[float] = None) -> float:
+        """The learning rate at clock ``step``; ``max_lr``/``min_lr``: a param group's own
+        bounds (Megatron-LM's ``--decoupled-lr``), on the same warmup and decay."""
+        max_lr = self.max_lr if max_lr is None else max_lr
+        min_lr = self.min_lr if min_lr is None else min_lr
         if self.warmup_steps > 0 and step <= self.warmup_steps:
-            return self.warmup_init + (self.max_lr - self.warmup_init) * step / self.warmup_steps
+            return self.warmup_init + (max_lr - self.warmup_init) * step / self.warmup_steps
         if self.style is LRDecayStyle.CONSTANT:
-            return self.max_lr
+            return max_lr
         # Past the decay horizon every decaying style sits at min_lr, inverse-square-root
         # included: Megatron-LM tests the horizon before that style's formula, so its
         # 1/sqrt(step) tail is cut off at --lr-decay-iters/--lr-decay-samples.
         if step > self.decay_steps:
-            return self.min_lr
+            return min_lr
         if self.style is LRDecayStyle.INVERSE_SQUARE_ROOT:
             warmup = max(self.warmup_steps, 1)
-            return max(self.min_lr, self.max_lr * warmup**0.5 / max(step, 1)**0.5)
+            return max(min_lr, max_lr * warmup**0.5 / max(step, 1)**0.5)
         ratio = (step - self.warmup_steps) / (self.decay_steps - self.warmup_steps)
         match self.style:
             case LRDecayStyle.LINEAR:
@@ -95,18 +100,19 @@ class LRSchedule:
                 coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
             case _:
                 raise ValueError(f"lr decay style {self.style} has no formula; use one of {[s.value for s in LRDecayStyle]}")
-        return self.min_lr + coeff * (self.max_lr - self.min_lr)
+        return min_lr + coeff * (max_lr - min_lr)
 
     @property
     def current_lr(self) -> float:
         return self.lr_at(self.num_steps)
 
     def apply(self, optimizer: torch.optim.Optimizer) -> float:
-        """Set the learning rate of the coming step on every param group."""
-        lr = self.current_lr
+        """Set the learning rate of the coming step on every param group (a group with
+        its own ``max_lr``/``min_lr``, as Megatron-LM's decoupled embedding and output
+        group, between those); returns the other groups' rate, the one Megatron-LM logs."""
         for group in optimizer.param_groups:
-            group["lr"] = lr
-        return lr
+            group["lr"] = self.lr_at(self.num_steps, max_lr=group.get("max_lr"), min_lr=group.get("min_lr"))
+        return self.current_lr
 
     def step(self) -> None:
         """Advance after an applied update (never after a skipped iteration)."""

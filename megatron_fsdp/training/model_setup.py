@@ -394,17 +394,27 @@ def _wrap_ddp(module: nn.Module, args, device: torch.device) -> nn.Module:
 
 # -- optimizer --------------------------------------------------------------------
 def build_optimizer(model: nn.Module, args) -> torch.optim.Optimizer:
-    """Megatron-LM's grouping: no weight decay on biases and 1-D (norm) parameters."""
-    decay, no_decay = [], []
+    """Megatron-LM's grouping: no weight decay on biases and 1-D (norm) parameters; with
+    ``--decoupled-lr``, the embedding and output weights (``is_embedding_or_output_parameter``,
+    as megatron-core marks them) in groups of their own whose ``max_lr``/``min_lr`` the
+    schedule follows (``LRSchedule.apply``)."""
+    decoupled = args.decoupled_lr is not None
+    buckets: dict[tuple[bool, bool], list[nn.Parameter]] = {}
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        (no_decay if param.ndim == 1 or name.endswith(".bias") else decay).append(param)
-    groups = [
-        {"params": decay, "weight_decay": args.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-    groups = [g for g in groups if g["params"]]
+        decays = not (param.ndim == 1 or name.endswith(".bias"))
+        own_lr = decoupled and getattr(param, "is_embedding_or_output_parameter", False)
+        buckets.setdefault((decays, own_lr), []).append(param)
+    groups = []
+    for decays, own_lr in ((True, False), (False, False), (True, True), (False, True)):
+        if (decays, own_lr) not in buckets:
+            continue
+        group = {"params": buckets[decays, own_lr], "weight_decay": args.weight_decay if decays else 0.0}
+        if own_lr:
+            min_lr = args.decoupled_min_lr if args.decoupled_min_lr is not None else args.min_lr
+            group.update(max_lr=args.decoupled_lr, min_lr=min_lr)
+        groups.append(group)
     if args.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=args.lr, momentum=args.sgd_momentum)
     return torch.optim.AdamW(groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
