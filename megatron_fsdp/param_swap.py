@@ -51,7 +51,7 @@ import torch
 import torch.nn as nn
 
 
-def _wrapper_address(tensor: torch.Tensor) -> Optional[int]:
+def wrapper_address(tensor: torch.Tensor) -> Optional[int]:
     """[Note: data assignment] ``param.data = value`` on a DTensor parameter (an old
     initialisation habit; torch's ``vector_to_parameters`` does it too) replaces only
     the wrapper's own storage: the local tensor, this rank's piece of the buffers that
@@ -100,13 +100,16 @@ _POST_ACCUMULATE_MESSAGE = (
 )
 
 
-_DATA_MESSAGE = (
-    "{name}.data was assigned after wrapping (param.data = value, or torch.nn.utils.vector_to_parameters): on "
-    "megatron_fsdp's DTensor parameters that replaces only the wrapper, not the values the optimizer and the "
-    "forward use, so training would go on from the old weights ([Note: data assignment] in param_swap.py). Load "
-    "new values with model.load_state_dict({{name: full_tensor, ...}}, strict=False), or edit in place under "
-    "torch.no_grad() (p.mul_(...), p.zero_(), torch.nn.init.constant_(p, v)). No weight has changed"
-)
+def data_assignment_message(name: str) -> str:
+    """[Note: data assignment]: what happened and the fix (both engines)."""
+    return (
+        f"{name}.data was assigned after wrapping (param.data = value, or torch.nn.utils.vector_to_parameters): on "
+        "megatron_fsdp's DTensor parameters that replaces only the wrapper, not the values the optimizer and the "
+        "forward use, so training would go on from the old weights ([Note: data assignment] in param_swap.py); "
+        "the assignment changed no weight. Load new values with model.load_state_dict({name: full_tensor, ...}, "
+        "strict=False), or edit in place under torch.no_grad() (p.mul_(...), p.zero_(), "
+        "torch.nn.init.constant_(p, v))"
+    )
 
 
 _REMOVED_MESSAGE = (
@@ -131,7 +134,7 @@ class RegisteredParams:
                 dist = dist_of.get(param)
                 if dist is None:
                     raise AssertionError(f"parameter {name!r} of {type(sub).__name__} has no distributed twin")
-                self._registrations.append(_Registration(sub, name, param, dist, _wrapper_address(dist)))
+                self._registrations.append(_Registration(sub, name, param, dist, wrapper_address(dist)))
         for r in self._registrations:
             share_grad_hooks(r.compute, r.dist)
         self.compute_registered = True
@@ -144,8 +147,8 @@ class RegisteredParams:
             name = f"{type(r.module).__name__}.{r.name}"
             if r.dist._post_accumulate_grad_hooks is not None:
                 raise RuntimeError(_POST_ACCUMULATE_MESSAGE.format(name=name))
-            if r.dist_address is not None and _wrapper_address(r.dist) != r.dist_address:
-                raise RuntimeError(_DATA_MESSAGE.format(name=name))
+            if r.dist_address is not None and wrapper_address(r.dist) != r.dist_address:
+                raise RuntimeError(data_assignment_message(name))
 
     @torch.compiler.disable  # a graph break (hooks.py [Note: hooks under torch.compile])
     def register_compute(self) -> None:

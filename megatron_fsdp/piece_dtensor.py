@@ -40,7 +40,8 @@ from torch.distributed.tensor import DTensor, Partial, Shard
 
 from . import dtensor_route
 
-__all__ = ["PieceDTensor", "is_flat_piece", "piece_dtensor"]
+__all__ = ["AUTOGRAD_INPUTS_MESSAGE", "EXTREME_NORMS", "PieceDTensor", "is_flat_piece", "piece_dtensor",
+           "stand_in_for_empty_locals"]
 
 aten = torch.ops.aten
 _MEAN = {aten.mean.default}
@@ -97,26 +98,28 @@ def _is_full_reduction(func, args, kwargs) -> bool:
     return dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0)
 
 
-_EXTREME_NORMS = {aten.linalg_vector_norm.default, aten._foreach_norm.Scalar}
+EXTREME_NORMS = {aten.linalg_vector_norm.default, aten._foreach_norm.Scalar}
 
 
-def _stand_in_for_empty_pieces(func, args, kwargs):
-    """An inf (-inf) norm is a max (min) of absolute values, which an empty piece (a
-    rank holding no element of a parameter) cannot take: torch raises "cannot compute
-    the inf norm on an empty tensor" where the other norms sum to 0. Such a piece
-    takes part as one element holding the identity of that max (0: absolute values are
-    never below it) or min (+inf), so ``clip_grad_norm_(..., norm_type=inf)`` is exact
-    on every split. The decision depends only on shapes, the same on every rank."""
+def stand_in_for_empty_locals(func, args, kwargs, cls: type):
+    """An inf (-inf) norm is a max (min) of absolute values, which an empty local tensor
+    (a rank holding no element of a parameter) cannot take: torch raises "cannot compute
+    the inf norm on an empty tensor" where the other norms sum to 0. Such a ``cls``
+    instance (of a non-empty tensor) takes part as one element holding the identity of
+    that max (0: absolute values are never below it) or min (+inf), so
+    ``clip_grad_norm_(..., norm_type=inf)`` is exact on every split. The decision
+    depends only on shapes, the same on every rank. Shared with the experimental
+    engine's FlatDTensor."""
     order = kwargs.get("ord", args[1] if len(args) > 1 else 2)
     if order not in (math.inf, -math.inf):
         return args, kwargs
     fill = 0.0 if order > 0 else math.inf
 
     def stand_in(t):
-        if not (isinstance(t, PieceDTensor) and _sharded(t) and t._local_tensor.numel() == 0):
+        if not (isinstance(t, cls) and t._local_tensor.numel() == 0 and t.numel() > 0):
             return t
         local = torch.full((1,), fill, dtype=t._local_tensor.dtype, device=t._local_tensor.device)
-        return PieceDTensor(local, t._spec, requires_grad=False)
+        return cls(local, t._spec, requires_grad=False)
 
     first = args[0]
     first = [stand_in(t) for t in first] if isinstance(first, (list, tuple)) else stand_in(first)
@@ -135,8 +138,8 @@ def _guard(func, types, args, kwargs, base):
     if func in _MEAN:
         total = _guard(aten.sum.default, types, (args[0],), {"dtype": kwargs.get("dtype")}, base)
         return _guard(aten.div.Scalar, types, (total, args[0].numel()), {}, base)
-    if func in _EXTREME_NORMS:
-        args, kwargs = _stand_in_for_empty_pieces(func, args, kwargs)
+    if func in EXTREME_NORMS:
+        args, kwargs = stand_in_for_empty_locals(func, args, kwargs, PieceDTensor)
     kind = _KINDS.get(func)
     if kind is None:
         kind = _KINDS[func] = _classify(func)
@@ -158,7 +161,7 @@ def _guard(func, types, args, kwargs, base):
 # trained nothing, silently, and torch.autograd.grad(loss, those) failed with torch's
 # "not used in the graph". Both reach this type's __torch_function__ (the no_shard
 # strategy's replicated parameters are PieceDTensors too) and are refused.
-_AUTOGRAD_MESSAGE = (
+AUTOGRAD_INPUTS_MESSAGE = (
     "torch.autograd.backward(inputs=...) / torch.autograd.grad(..., inputs) with megatron_fsdp's parameters: "
     "the forward computes with gathered copies of them, so autograd would return no gradient (and backward "
     "with inputs= would train nothing). Call loss.backward() (freeze what must not train with "
@@ -175,9 +178,9 @@ class PieceDTensor(DTensor):
 
     if dtensor_route.ROUTE is dtensor_route.DispatchRoute.TORCH_DISPATCH:
         __torch_dispatch__ = dtensor_route.torch_dispatch_route(_guard)
-        __torch_function__ = dtensor_route.autograd_refusal(_AUTOGRAD_MESSAGE)
+        __torch_function__ = dtensor_route.autograd_refusal(AUTOGRAD_INPUTS_MESSAGE)
     else:
-        __torch_function__ = dtensor_route.torch_function_route(_guard, _AUTOGRAD_MESSAGE)
+        __torch_function__ = dtensor_route.torch_function_route(_guard, AUTOGRAD_INPUTS_MESSAGE)
 
     def redistribute(self, device_mesh=None, placements=None, *, async_op=False, **kwargs):  # type: ignore[override]
         if not _sharded(self):  # a reduced value: DTensor's redistribution is exact

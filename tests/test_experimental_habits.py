@@ -147,3 +147,57 @@ def test_parameters_added_after_sharding_are_refused(pool2, strategy):
     for messages, unchanged in pool2.run(added_parameter_worker, strategy=strategy):
         assert all("Nothing was assigned" in m and "before wrapping" in m for m in messages), messages
         assert unchanged
+
+
+def sharded_habit_worker(rank, world, *, strategy, habit):
+    """The main engine's habits on the experimental one: backward(inputs=params) (it
+    trained nothing, silently) and param.data = value (ignored, silently) are refused
+    before anything changes; clip_grad_norm_ with the inf norm (torch's "empty tensor"
+    error on ranks holding no rows) trains as one process."""
+    model = make_model("net", d=8, depth=3)
+    batches = make_batches("net", 3, batch=4 * world)
+    reference = copy.deepcopy(model)
+    ref_opt = make_optimizer("adamw")(reference.parameters())
+    context = shard_net(model, make_mesh(world, strategy), placements_for(strategy))
+    opt = make_optimizer("adamw")(model.parameters())
+    fully_shard_optimizer(opt)
+    before = {k: v.clone() for k, v in full_state_dict(model).items()}
+    x, y = batches[0]
+    try:
+        if habit == "backward_inputs":
+            with microbatch(context, is_last=True):
+                loss_fn("net", model(x.chunk(world)[rank]), y.chunk(world)[rank]).backward(
+                    inputs=list(model.blocks[0].parameters()))
+        elif habit == "data":
+            weight = model.blocks[0].fc1.weight
+            weight.data = torch.full(tuple(weight.shape), 0.01)
+            with microbatch(context, is_last=True):
+                loss_fn("net", model(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+        else:
+            for xb, yb in batches:
+                for m, o, xs, ys in ((reference, ref_opt, xb, yb),
+                                     (model, opt, xb.chunk(world)[rank], yb.chunk(world)[rank])):
+                    o.zero_grad()
+                    if m is model:
+                        with microbatch(context, is_last=True):
+                            loss_fn("net", m(xs), ys).backward()
+                    else:
+                        loss_fn("net", m(xs), ys).backward()
+                    torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05, norm_type=float("inf"))
+                    o.step()
+            return "trained", max_param_diff(full_state_dict(model), reference)
+    except RuntimeError as exc:
+        after = full_state_dict(model)
+        return str(exc), all(torch.equal(before[k], after[k]) for k in before)
+    return "no error", None
+
+
+@pytest.mark.parametrize("habit", ["backward_inputs", "data", "clip_inf"])
+@pytest.mark.parametrize("strategy", ["zero3", "zero1", "no_shard"])
+def test_sharded_parameter_habits(pool2, strategy, habit):
+    for message, value in pool2.run(sharded_habit_worker, strategy=strategy, habit=habit):
+        if habit == "clip_inf":
+            assert message == "trained" and value < 1e-5, (message, value)
+        else:
+            expected = "gathered copies" if habit == "backward_inputs" else ".data was assigned after wrapping"
+            assert expected in message and value is True, (message, value)

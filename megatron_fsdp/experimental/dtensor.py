@@ -43,7 +43,7 @@ from torch.distributed.tensor.placement_types import Placement
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .. import dtensor_route
-from ..piece_dtensor import is_foreach
+from ..piece_dtensor import AUTOGRAD_INPUTS_MESSAGE, EXTREME_NORMS, is_foreach, stand_in_for_empty_locals
 from .placement import Flat
 
 __all__ = ["FlatDTensor", "FlatSpec", "flat_dtensor"]
@@ -80,6 +80,8 @@ def _flat_spec(spec: DTensorSpec, placements=None) -> DTensorSpec:
 def _guard(func, types, args, kwargs, base):
     """The aten-level guard (module docstring); ``base`` computes an op as plain
     DTensor does ([Note: DTensor subclass routes] in ``dtensor_route.py``)."""
+    if func in EXTREME_NORMS:  # an inf norm over ranks holding no rows
+        args, kwargs = stand_in_for_empty_locals(func, args, kwargs, FlatDTensor)
     flats = _flat_axes((args, kwargs))
     if func in _MEAN:
         return _exact_mean(args, kwargs, types, base)
@@ -104,8 +106,11 @@ class FlatDTensor(DTensor):
 
     if dtensor_route.ROUTE is dtensor_route.DispatchRoute.TORCH_DISPATCH:
         __torch_dispatch__ = dtensor_route.torch_dispatch_route(_guard)
+        # piece_dtensor.py [Note: autograd to distributed parameters]: the sharded
+        # parameters are not in the graph either (the forward uses the unsharded ones).
+        __torch_function__ = dtensor_route.autograd_refusal(AUTOGRAD_INPUTS_MESSAGE)
     else:
-        __torch_function__ = dtensor_route.torch_function_route(_guard)
+        __torch_function__ = dtensor_route.torch_function_route(_guard, AUTOGRAD_INPUTS_MESSAGE)
 
     def __reduce_ex__(self, protocol):
         # This rank's rows only, in storage of their own: the local tensor is a view

@@ -31,7 +31,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..allocator import StorageResizeAllocator
 from ..mixed_precision import MixedPrecisionPolicy
-from ..param_swap import share_grad_hooks
+from ..param_swap import data_assignment_message, share_grad_hooks, wrapper_address
 from .dbuffer import DBuffer
 from .placement import changed_mesh_axis
 
@@ -70,6 +70,9 @@ class FsdpParameter:
     """Every name under the owning module (tied weights have several)."""
     sharded: nn.Parameter
     unsharded: nn.Parameter
+    sharded_address: Optional[int] = None
+    """``wrapper_address(sharded)`` at sharding: a ``.data =`` assignment moves it
+    (param_swap.py [Note: data assignment])."""
 
 
 class FsdpParameterGroup:
@@ -148,7 +151,8 @@ class FsdpParameterGroup:
                 # The optimizer sees main-dtype weights with main-grad-dtype gradients.
                 sharded.grad_dtype = grad_dtype
             _OWNER[parameter] = _OWNER[sharded] = weakref.ref(self)
-            out.append(FsdpParameter(fqns=tuple(fqns), sharded=sharded, unsharded=parameter))
+            out.append(FsdpParameter(fqns=tuple(fqns), sharded=sharded, unsharded=parameter,
+                                     sharded_address=wrapper_address(sharded)))
         return out
 
     def rename(self, name: str) -> None:
@@ -213,6 +217,9 @@ class FsdpParameterGroup:
     def unshard_parameters(self, *, async_op: bool = False) -> Optional[DBuffer]:
         """Start materialising the full weights; returns the buffer to ``wait()`` on
         (``None`` when nothing is in flight), then call ``install_unsharded``."""
+        for p in self.fsdp_parameters:  # before anything is gathered from them
+            if p.sharded_address is not None and wrapper_address(p.sharded) != p.sharded_address:
+                raise RuntimeError(data_assignment_message(p.fqns[0]))
         self._refresh_if_stale()
         if self.model_weight.placements != self._model_weight_placements:
             self.model_weight = self.model_weight.redistribute(self._model_weight_placements)
