@@ -244,3 +244,20 @@ def test_decoupled_lr_gives_embedding_and_output_their_own_schedule(untie):
         schedule.step()
     plain = build_optimizer(model, _parse(["--mock-data", "--vocab-size", "64"]))
     assert not any("max_lr" in g for g in plain.param_groups)
+
+
+def test_apply_wd_to_qk_layernorm_decays_the_qk_norms():
+    # megatron/core/optimizer/__init__.py: with apply_wd_to_qk_layernorm the no-decay
+    # rule (1-D or bias) spares q_layernorm./k_layernorm. parameters.
+    from megatron_fsdp.models.gpt import GPT
+    from megatron_fsdp.training.model_setup import build_optimizer, gpt_config_from_args
+
+    for flag, decayed in (([], False), (["--apply-wd-to-qk-layernorm"], True)):
+        args = _parse(["--mock-data", "--vocab-size", "64", "--qk-layernorm", "--weight-decay", "0.1", *flag])
+        model = GPT(gpt_config_from_args(args))
+        optimizer = build_optimizer(model, args)
+        decay_of = {id(p): g["weight_decay"] for g in optimizer.param_groups for p in g["params"]}
+        for name, param in model.named_parameters():
+            qk = "q_layernorm." in name or "k_layernorm." in name
+            plain_rule = not (param.ndim == 1 or name.endswith(".bias"))
+            assert decay_of[id(param)] == (0.1 if plain_rule or (qk and decayed) else 0.0), name

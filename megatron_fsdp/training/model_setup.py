@@ -394,7 +394,8 @@ def _wrap_ddp(module: nn.Module, args, device: torch.device) -> nn.Module:
 
 # -- optimizer --------------------------------------------------------------------
 def build_optimizer(model: nn.Module, args) -> torch.optim.Optimizer:
-    """Megatron-LM's grouping: no weight decay on biases and 1-D (norm) parameters; with
+    """Megatron-LM's grouping: no weight decay on biases and 1-D (norm) parameters (but
+    the q/k layer norms with ``--apply-wd-to-qk-layernorm``); with
     ``--decoupled-lr``, the embedding and output weights (``is_embedding_or_output_parameter``,
     as megatron-core marks them) in groups of their own whose ``max_lr``/``min_lr`` the
     schedule follows (``LRSchedule.apply``)."""
@@ -404,6 +405,8 @@ def build_optimizer(model: nn.Module, args) -> torch.optim.Optimizer:
         if not param.requires_grad:
             continue
         decays = not (param.ndim == 1 or name.endswith(".bias"))
+        if args.apply_wd_to_qk_layernorm and ("q_layernorm." in name or "k_layernorm." in name):
+            decays = True  # Megatron-LM's Qwen3-Next rule: the q/k norms decay too
         own_lr = decoupled and getattr(param, "is_embedding_or_output_parameter", False)
         buckets.setdefault((decays, own_lr), []).append(param)
     groups = []
