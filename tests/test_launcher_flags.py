@@ -617,3 +617,11 @@ def test_checkpoint_strategy_and_equivalent_flags_warn_and_run():
     assert len(args.flag_warnings) == 6
     with pytest.raises(ArgumentError, match="--rerun-mode report_stats is not supported"):
         parse_args(BASE + ["--train-iters", "4", "--rerun-mode", "report_stats"], world_size=2)
+
+
+def test_verify_integrity_follows_megatron_lm():
+    # Checkpoints here are always checksummed; Megatron-LM allows the flag with torch_dist only.
+    args = parse_args(BASE + ["--train-iters", "4", "--verify-integrity", "--ckpt-format", "torch_dist"], world_size=2)
+    assert args.verify_integrity and not args.flag_warnings
+    with pytest.raises(ArgumentError, match="--verify-integrity is only supported with --ckpt-format torch_dist"):
+        parse_args(BASE + ["--train-iters", "4", "--verify-integrity", "--ckpt-format", "torch_dcp"], world_size=2)

@@ -386,6 +386,9 @@ def _io(args, world_size) -> list[str]:
         problems.append("--finetune needs --load DIR (the checkpoint whose weights to start from)")
     if args.async_save and args.save is None:
         problems.append("--async-save needs --save DIR")
+    if args.verify_integrity and args.ckpt_format != "torch_dist":  # Megatron-LM rule (training_config.py)
+        problems.append(f"--verify-integrity is only supported with --ckpt-format torch_dist (Megatron-LM's rule), "
+                        f"got {args.ckpt_format}; checkpoints here are always checksummed and verified anyway")
     if args.eval_iters < 0:
         problems.append(f"--eval-iters={args.eval_iters} must be >= 0 (0 disables evaluation)")
     if args.eval_iters > 0 and args.eval_interval <= 0:
