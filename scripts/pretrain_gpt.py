@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from megatron_fsdp import device as device_mod
 from megatron_fsdp.training import checkpointing, determinism
+from megatron_fsdp.models.config import MoELoadBalancing
 from megatron_fsdp.training.arg_types import DataParallelPath
 from megatron_fsdp.training.arguments import ArgumentError, parse_args
 from megatron_fsdp.training.data import BatchLayout
@@ -183,7 +184,9 @@ def train(args, ctx: StepContext, state: TrainState, train_src, valid_src, metri
     """Run iterations until the budget (or an exit condition); returns the saver and
     whether an exit condition (--exit-interval, --exit-duration-in-mins, a signal) ended it."""
     flops = flops_per_iteration(args, ctx.bundle.num_parameters)
-    stats = IntervalStats()
+    balancing_name = MoELoadBalancing.parse(args.moe_router_load_balancing_type,
+                                            arg_name="--moe-router-load-balancing-type").log_name
+    stats = IntervalStats(balancing_name=balancing_name)
     memory_reports = 0
     first_iteration = state.iteration + 1
     saver = Saver(args, ctx)
@@ -207,7 +210,7 @@ def train(args, ctx: StepContext, state: TrainState, train_src, valid_src, metri
         state.floating_point_operations_so_far += flops
         metrics.record(state.iteration, result)
         if dash.active:
-            dashboards_mod.write_moe_scalars(dash, result.load_balancing_loss, state.iteration)
+            dashboards_mod.write_moe_scalars(dash, result.load_balancing_loss, state.iteration, balancing_name)
         if dash.active and state.iteration % args.tensorboard_log_interval == 0:
             dashboards_mod.write_training_scalars(
                 dash, args, iteration=state.iteration, consumed_samples=state.consumed_train_samples,
@@ -219,7 +222,7 @@ def train(args, ctx: StepContext, state: TrainState, train_src, valid_src, metri
         if logs:
             log_iteration(args, ctx, state, result, stats, flops, dash)
             if state.iteration % args.log_interval == 0:
-                stats = IntervalStats()
+                stats = IntervalStats(balancing_name=balancing_name)
             # Memory after the first logged iteration and again after the next one
             # (which includes the optimizer state), as Megatron-LM reports it.
             if memory_reports < 2:

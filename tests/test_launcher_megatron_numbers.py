@@ -261,3 +261,29 @@ def test_apply_wd_to_qk_layernorm_decays_the_qk_norms():
             qk = "q_layernorm." in name or "k_layernorm." in name
             plain_rule = not (param.ndim == 1 or name.endswith(".bias"))
             assert decay_of[id(param)] == (0.1 if plain_rule or (qk and decayed) else 0.0), name
+
+
+# -- --moe-router-load-balancing-type ------------------------------------------------------
+def test_load_balancing_type_reaches_the_model():
+    # Megatron-core's router: seq_aux_loss is the Switch loss per sequence (checked against
+    # megatron-core in test_models_mcore.py), none adds no loss whatever the coefficient;
+    # the launcher used to accept none and still add the aux loss.
+    from megatron_fsdp.models.config import MoELoadBalancing
+    from megatron_fsdp.models.gpt import GPT
+    from megatron_fsdp.training.logging_utils import IntervalStats, format_iteration_line
+    from megatron_fsdp.training.model_setup import gpt_config_from_args
+
+    moe = ["--mock-data", "--vocab-size", "64", "--num-experts", "4", "--moe-aux-loss-coeff", "0.01"]
+    for kind, aux in (("aux_loss", True), ("seq_aux_loss", True), ("none", False)):
+        cfg = gpt_config_from_args(_parse([*moe, "--moe-router-load-balancing-type", kind]))
+        assert cfg.moe_router_load_balancing_type is MoELoadBalancing(kind)
+        model = GPT(cfg)
+        model(torch.randint(0, 64, (2, 16))).sum().backward()
+        assert (model.moe_aux_loss() is not None) == aux, kind
+    with pytest.raises(ArgumentError, match="combining balancing losses is not implemented"):
+        _parse([*moe, "--moe-router-load-balancing-type", "aux_loss", "seq_aux_loss"])
+    stats = IntervalStats(balancing_name=MoELoadBalancing.SEQ_AUX_LOSS.log_name)
+    stats.add(types.SimpleNamespace(lm_loss=2.0, skipped=False, nan=False, load_balancing_loss=1.25), 0.1)
+    line = format_iteration_line(iteration=1, train_iters=2, consumed_samples=8, stats=stats, throughput=None,
+                                 learning_rate=None, global_batch_size=8, loss_scale=1.0, grad_norm=None)
+    assert " seq_load_balancing_loss: 1.250000E+00 |" in line

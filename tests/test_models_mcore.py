@@ -41,6 +41,11 @@ CONFIGS = {
     "moe_shared_expert_scaled": dict(LLAMA, num_moe_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.01,
                                      moe_shared_expert_intermediate_size=24, moe_router_topk_scaling_factor=2.5),
     "moe_pre_softmax": dict(LLAMA, num_moe_experts=4, moe_router_topk=2, moe_router_pre_softmax=True),
+    # --moe-router-load-balancing-type: per-sequence Switch loss, and none despite a coefficient.
+    "moe_seq_aux": dict(LLAMA, num_moe_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.05,
+                        moe_router_load_balancing_type="seq_aux_loss"),
+    "moe_balancing_none": dict(LLAMA, num_moe_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.05,
+                               moe_router_load_balancing_type="none"),
 }
 
 
@@ -93,7 +98,9 @@ def test_embedded_gpt_computes_what_megatron_core_computes(pool2, name):
     assert result["logit_diff"] < 1e-5 and result["grad_diff"] < 1e-6, result
     if CONFIGS[name].get("num_moe_experts"):
         assert result["router_grad"] > 0
-    if CONFIGS[name].get("moe_aux_loss_coeff"):
+    if CONFIGS[name].get("moe_router_load_balancing_type") == "none":
+        assert result["aux"] is None and result["balancing"] == (0.0, 0.0), result
+    elif CONFIGS[name].get("moe_aux_loss_coeff"):
         # The balancing loss took part: each of the 2 layers contributes >= coeff.
         assert result["aux"] >= 2 * CONFIGS[name]["moe_aux_loss_coeff"] * 0.999, result
         # The launcher's load_balancing_loss reads megatron-core's tracker for

@@ -80,6 +80,22 @@ class RouterDtype(_ParsedEnum):
     Megatron's) and the routing weights handed back in float64."""
 
 
+class MoELoadBalancing(_ParsedEnum):
+    """Megatron's ``--moe-router-load-balancing-type``: which balancing loss the router adds."""
+
+    AUX_LOSS = "aux_loss"
+    """The Switch loss over all tokens of the micro batch."""
+    SEQ_AUX_LOSS = "seq_aux_loss"
+    """The Switch loss of each sequence on its own, averaged over the sequences."""
+    NONE = "none"
+    """No balancing loss, whatever ``moe_aux_loss_coeff`` says."""
+
+    @property
+    def log_name(self) -> str:
+        """The name Megatron-LM logs this loss under (megatron-core's tracker entry)."""
+        return "seq_load_balancing_loss" if self is MoELoadBalancing.SEQ_AUX_LOSS else "load_balancing_loss"
+
+
 class RecomputeGranularity(_ParsedEnum):
     """Megatron's ``--recompute-granularity``."""
 
@@ -193,6 +209,8 @@ class GPTConfig:
     """Width of one expert's MLP; ``None`` = ffn_hidden_size (as Megatron-LM)."""
     moe_aux_loss_coeff: float = 0.0
     """Weight of the switch-transformer load-balancing loss of every MoE layer."""
+    moe_router_load_balancing_type: Union[MoELoadBalancing, str] = MoELoadBalancing.AUX_LOSS
+    """Which balancing loss ``moe_aux_loss_coeff`` weighs (``NONE``: none at all)."""
     moe_router_pre_softmax: bool = False
     """Softmax over all experts before top-k (probabilities not renormalised over the
     k chosen); by default softmax over the k chosen logits, as Megatron."""
@@ -226,6 +244,8 @@ class GPTConfig:
         self.normalization = Normalization.parse(self.normalization, arg_name="normalization")
         self.position_embedding_type = PositionEmbeddingType.parse(
             self.position_embedding_type, arg_name="position_embedding_type")
+        self.moe_router_load_balancing_type = MoELoadBalancing.parse(
+            self.moe_router_load_balancing_type, arg_name="moe_router_load_balancing_type")
         if self.moe_router_dtype is not None:
             self.moe_router_dtype = RouterDtype.parse(self.moe_router_dtype, arg_name="moe_router_dtype")
         if self.recompute_granularity is not None:

@@ -82,7 +82,8 @@ def _transformer_config(cfg: GPTConfig, args: argparse.Namespace, *, cross_entro
                        moe_router_pre_softmax=cfg.moe_router_pre_softmax, moe_token_dispatcher_type="allgather",
                        moe_router_topk_scaling_factor=cfg.moe_router_topk_scaling_factor,
                        moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size,
-                       moe_router_load_balancing_type="aux_loss" if cfg.moe_aux_loss_coeff > 0 else "none",
+                       moe_router_load_balancing_type=(cfg.moe_router_load_balancing_type.value
+                                                       if cfg.moe_aux_loss_coeff > 0 else "none"),
                        moe_router_dtype=cfg.moe_router_dtype.value if cfg.moe_router_dtype is not None else None)
     config = transformer_config_from_args(args)
     # replace() re-runs TransformerConfig's validation with the added fields.
@@ -194,10 +195,10 @@ class McoreBalancingLoss:
     Here ``clear()`` runs before a micro batch's forward (so evaluation forwards,
     which also record, never leak in) and ``__call__`` reads it after."""
 
-    NAME = "load_balancing_loss"
-
-    def __init__(self, num_moe_layers: int) -> None:
+    def __init__(self, num_moe_layers: int, name: str = "load_balancing_loss") -> None:
         self.num_moe_layers = num_moe_layers
+        self.name = name
+        """The tracker entry: ``MoELoadBalancing.log_name`` of the model's balancing type."""
 
     @staticmethod
     def _tracker() -> dict:
@@ -206,12 +207,12 @@ class McoreBalancingLoss:
         return moe_utils.get_moe_layer_wise_logging_tracker()
 
     def clear(self) -> None:
-        entry = self._tracker().get(self.NAME)
+        entry = self._tracker().get(self.name)
         if entry is not None:
             entry["values"].zero_()
 
     def __call__(self) -> torch.Tensor:
-        entry = self._tracker().get(self.NAME)
+        entry = self._tracker().get(self.name)
         if entry is None:  # coefficient 0: megatron-core records nothing
             return torch.zeros(())
         return entry["values"].detach().sum() / self.num_moe_layers
@@ -220,4 +221,6 @@ class McoreBalancingLoss:
 def balancing_loss_reader(cfg: GPTConfig) -> "McoreBalancingLoss | None":
     """The reader for an MoE ``cfg`` (every layer MoE: see ``mcore_unsupported``);
     ``None`` for a dense model."""
-    return McoreBalancingLoss(cfg.num_layers) if cfg.num_moe_experts is not None else None
+    if cfg.num_moe_experts is None:
+        return None
+    return McoreBalancingLoss(cfg.num_layers, cfg.moe_router_load_balancing_type.log_name)

@@ -42,7 +42,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..marks import is_expert_param
-from .config import GPTConfig, RouterDtype
+from .config import GPTConfig, MoELoadBalancing, RouterDtype
 from .layers import MLP
 
 _ROUTER_DTYPES = {RouterDtype.FP32: torch.float32, RouterDtype.FP64: torch.float64}
@@ -102,6 +102,23 @@ def switch_load_balancing_loss(logits: torch.Tensor, indices: torch.Tensor, coef
     return (scores.sum(dim=0) * tokens_per_expert).sum() * scale
 
 
+def sequence_load_balancing_loss(logits: torch.Tensor, indices: torch.Tensor, coeff: float,
+                                 num_sequences: int) -> torch.Tensor:
+    """``--moe-router-load-balancing-type seq_aux_loss``: the Switch loss of each
+    sequence's tokens on their own (counts and mean scores per sequence), averaged over
+    the sequences -- what Megatron-core gets by folding the batch into the expert axis.
+    ``logits`` (b * t, E) in batch-major token order (b sequences of t tokens)."""
+    num_tokens, num_experts = logits.shape
+    topk = indices.shape[-1]
+    length = num_tokens // num_sequences
+    scores = torch.softmax(logits, dim=-1, dtype=torch.float32).view(num_sequences, length, num_experts)
+    picks = indices.reshape(num_sequences, length * topk)
+    counts = torch.zeros(num_sequences, num_experts, dtype=scores.dtype, device=scores.device)
+    counts.scatter_add_(1, picks, torch.ones_like(picks, dtype=scores.dtype))  # (b, E)
+    scale = num_experts * coeff / (topk * length * length)
+    return (scores.sum(dim=1) * counts).sum() * scale / num_sequences
+
+
 class _AttachAuxLoss(torch.autograd.Function):
     """Identity on ``activation``; in backward, ``scale`` is the aux loss's gradient.
     See [Note: attaching the aux loss]."""
@@ -154,7 +171,9 @@ class MoELayer(nn.Module):
         super().__init__()
         self.topk = cfg.moe_router_topk
         self.pre_softmax = cfg.moe_router_pre_softmax
-        self.aux_loss_coeff = cfg.moe_aux_loss_coeff
+        self.balancing = cfg.moe_router_load_balancing_type
+        # Megatron-core computes no balancing loss for type "none", whatever the coefficient.
+        self.aux_loss_coeff = 0.0 if self.balancing is MoELoadBalancing.NONE else cfg.moe_aux_loss_coeff
         self.scaling_factor = cfg.moe_router_topk_scaling_factor
         self.router = TopKRouter(cfg)
         self.experts = nn.ModuleList(MLP(cfg, cfg.moe_ffn_hidden_size) for _ in range(cfg.num_moe_experts))
@@ -184,7 +203,10 @@ class MoELayer(nn.Module):
             out = out + self.shared_experts(tokens)
         out = out.view_as(x)  # (b, t, hidden)
         if self.aux_loss_coeff > 0 and self.training and torch.is_grad_enabled():
-            aux_loss = switch_load_balancing_loss(logits, indices, self.aux_loss_coeff)
+            if self.balancing is MoELoadBalancing.SEQ_AUX_LOSS:
+                aux_loss = sequence_load_balancing_loss(logits, indices, self.aux_loss_coeff, x.shape[0])
+            else:
+                aux_loss = switch_load_balancing_loss(logits, indices, self.aux_loss_coeff)
             self.last_aux_loss = aux_loss.detach()
             out = _AttachAuxLoss.apply(out, aux_loss, self.aux_loss_scale)
         return out

@@ -50,6 +50,8 @@ class IntervalStats:
     """MoE: the sum of ``load_balancing_loss`` over the interval's iterations, skipped ones
     included, as Megatron-core adds it to ``total_loss_dict`` (still divided by the
     advanced iterations); None for dense models."""
+    balancing_name: str = "load_balancing_loss"
+    """Megatron-core's name of that loss (``seq_load_balancing_loss`` for seq_aux_loss)."""
 
     @property
     def iterations(self) -> int:
@@ -101,7 +103,7 @@ def format_iteration_line(*, iteration: int, train_iters: int, consumed_samples:
         line += f" lm loss: {loss:.6E} |"
     balancing = stats.mean_load_balancing_loss  # MoE models: Megatron-core's name, after lm loss
     if balancing is not None and balancing >= 0.0:
-        line += f" load_balancing_loss: {balancing:.6E} |"
+        line += f" {stats.balancing_name}: {balancing:.6E} |"
     line += f" loss scale: {loss_scale:.1f} |"
     if grad_norm is not None:
         line += f" grad norm: {grad_norm:.3f} |"

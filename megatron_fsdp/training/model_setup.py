@@ -129,6 +129,7 @@ MODEL_FLAG_FIELDS = (
     ModelFlag("moe_router_topk", "moe_router_topk", 2),
     ModelFlag("moe_ffn_hidden_size", "moe_ffn_hidden_size", None),
     ModelFlag("moe_aux_loss_coeff", "moe_aux_loss_coeff", 0.0),
+    ModelFlag("moe_router_load_balancing_type", "moe_router_load_balancing_type", "aux_loss"),
     ModelFlag("moe_router_pre_softmax", "moe_router_pre_softmax", False),
     ModelFlag("moe_layer_freq", "moe_layer_freq", 1),
     ModelFlag("moe_router_topk_scaling_factor", "moe_router_topk_scaling_factor", None),
@@ -154,7 +155,7 @@ def _baseline_ok(flag: ModelFlag, args) -> bool:
         return args.position_embedding_type != "rope" or value == flag.baseline
     if flag.dest in ("moe_router_topk", "moe_ffn_hidden_size", "moe_aux_loss_coeff", "moe_router_pre_softmax",
                      "moe_layer_freq", "moe_router_topk_scaling_factor", "moe_shared_expert_intermediate_size",
-                     "moe_router_dtype"):
+                     "moe_router_dtype", "moe_router_load_balancing_type"):
         return args.num_experts is None or value == flag.baseline
     if isinstance(value, list):
         value = value[0]

@@ -99,10 +99,11 @@ def write_training_scalars(dash: Dashboards, args, *, iteration: int, consumed_s
         dash.add_scalar(name + " vs samples", value, consumed_samples)
 
 
-def write_moe_scalars(dash: Dashboards, load_balancing_loss: Optional[float], iteration: int) -> None:
+def write_moe_scalars(dash: Dashboards, load_balancing_loss: Optional[float], iteration: int,
+                      name: str = "load_balancing_loss") -> None:
     """MoE models: Megatron-core's ``load_balancing_loss`` scalar, every iteration as its
     ``training_log`` writes it (no "vs samples" twin)."""
-    dash.add_scalar("load_balancing_loss", load_balancing_loss, iteration)
+    dash.add_scalar(name, load_balancing_loss, iteration)
 
 
 def write_memory_scalars(dash: Dashboards, snapshot: dict, iteration: int) -> None:

@@ -164,6 +164,10 @@ def _model_features(args, world_size) -> list[str]:
     if args.num_experts is not None and args.num_distributed_optimizer_instances > 1:
         problems.append("--num-experts with --num-distributed-optimizer-instances > 1 (MoE with HSDP) is not "
                         "wired in this launcher; use one optimizer instance")
+    types = args.moe_router_load_balancing_type
+    if isinstance(types, list) and len(types) > 1:
+        problems.append(f"--moe-router-load-balancing-type {' '.join(types)}: combining balancing losses is not "
+                        "implemented here; pass one type")
     coeffs = args.moe_aux_loss_coeff if isinstance(args.moe_aux_loss_coeff, list) else [args.moe_aux_loss_coeff]
     if len(coeffs) > 1:
         problems.append(f"--moe-aux-loss-coeff {' '.join(map(str, coeffs))}: one coefficient per load-balancing "
@@ -487,6 +491,8 @@ def derive_fields(args: argparse.Namespace, world_size: int) -> None:
                         "recomputation (as in Megatron-LM); add --recompute-granularity full to use them")
     if isinstance(args.moe_aux_loss_coeff, list):
         args.moe_aux_loss_coeff = args.moe_aux_loss_coeff[0]
+    if isinstance(args.moe_router_load_balancing_type, list):  # nargs="+"; one type (validated)
+        args.moe_router_load_balancing_type = args.moe_router_load_balancing_type[0]
     args.moe_layer_freq = parse_layer_freq(args.moe_layer_freq)
     if args.num_experts is not None and not args.swiglu and args.add_bias_linear and args.bias_gelu_fusion:
         # Megatron-core's experts raise "Only support fusion of swiglu and quick_gelu ..." here.
