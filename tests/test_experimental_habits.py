@@ -152,7 +152,8 @@ def test_parameters_added_after_sharding_are_refused(pool2, strategy):
 def sharded_habit_worker(rank, world, *, strategy, habit):
     """The main engine's habits on the experimental one: backward(inputs=params) (it
     trained nothing, silently) and param.data = value (ignored, silently) are refused
-    before anything changes; clip_grad_norm_ with the inf norm (torch's "empty tensor"
+    before anything changes, and so is a create_graph backward (the unused-parameter
+    message misled there); clip_grad_norm_ with the inf norm (torch's "empty tensor"
     error on ranks holding no rows) trains as one process."""
     model = make_model("net", d=8, depth=3)
     batches = make_batches("net", 3, batch=4 * world)
@@ -168,6 +169,11 @@ def sharded_habit_worker(rank, world, *, strategy, habit):
             with microbatch(context, is_last=True):
                 loss_fn("net", model(x.chunk(world)[rank]), y.chunk(world)[rank]).backward(
                     inputs=list(model.blocks[0].parameters()))
+        elif habit == "penalty":  # higher-order gradients: the main engine's, not this one's
+            inputs = x.chunk(world)[rank].clone().requires_grad_(True)
+            with microbatch(context, is_last=True):
+                out = model(inputs)
+                torch.autograd.grad(out.sum(), inputs, create_graph=True)
         elif habit == "data":
             weight = model.blocks[0].fc1.weight
             weight.data = torch.full(tuple(weight.shape), 0.01)
@@ -192,12 +198,13 @@ def sharded_habit_worker(rank, world, *, strategy, habit):
     return "no error", None
 
 
-@pytest.mark.parametrize("habit", ["backward_inputs", "data", "clip_inf"])
+@pytest.mark.parametrize("habit", ["backward_inputs", "data", "clip_inf", "penalty"])
 @pytest.mark.parametrize("strategy", ["zero3", "zero1", "no_shard"])
 def test_sharded_parameter_habits(pool2, strategy, habit):
     for message, value in pool2.run(sharded_habit_worker, strategy=strategy, habit=habit):
         if habit == "clip_inf":
             assert message == "trained" and value < 1e-5, (message, value)
         else:
-            expected = "gathered copies" if habit == "backward_inputs" else ".data was assigned after wrapping"
+            expected = {"backward_inputs": "gathered copies", "data": ".data was assigned after wrapping",
+                        "penalty": "create_graph=True"}[habit]
             assert expected in message and value is True, (message, value)

@@ -128,6 +128,12 @@ class FsdpContext:
         self.finish_reductions()
         for module in self.forward_order:
             module._reshard_if_unsharded()
+        if stuck and torch.is_grad_enabled():  # autograd runs this callback in the graph's grad mode
+            raise NotImplementedError(
+                f"a backward with create_graph=True (a gradient penalty: torch.autograd.grad(out, x, "
+                f"create_graph=True)) through {stuck}: higher-order gradients are not implemented by "
+                "megatron_fsdp.experimental; the main engine (megatron_fsdp.fully_shard) trains them"
+            )
         if stuck:
             raise RuntimeError(
                 f"modules {stuck} ran backward but not all their parameters received gradients; "
