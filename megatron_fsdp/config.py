@@ -19,76 +19,81 @@ from .mixed_precision import MixedPrecisionPolicy, parse_dtype
 DtypeLike = Union[torch.dtype, str, None]
 
 
-@dataclasses.dataclass(kw_only=True)
+@dataclasses.dataclass
 class DistributedDataParallelConfig:
-    """Configuration of data-parallel training with Megatron-FSDP."""
+    """Configuration of data-parallel training with Megatron-FSDP.
 
-    data_parallel_sharding_strategy: Union[str, int] = "no_shard"
-    """ZeRO level inside the shard group: no_shard, optim, optim_grads, optim_grads_params (0-3).
-    The default is upstream's (``no_shard``); ``MegatronFSDP(ddp_config=None)`` and
-    ``fully_shard_model`` default to ``optim_grads_params``, as upstream's do."""
-    outer_dp_sharding_strategy: Union[str, int] = "no_shard"
-    """HSDP outer group: no_shard (replicate) or optim (HFSDP: shard optimizer state too)."""
-    num_distributed_optimizer_instances: int = 1
-    """Megatron's name for the outer (replica) group size under HFSDP."""
-    use_megatron_fsdp: bool = True
-    use_distributed_optimizer: bool = True
+    Upstream's fields come first, in upstream's order, so positional arguments mean
+    the same; upstream options this engine does not implement are accepted at their
+    default and any other value raises ``NotImplementedError`` naming the option
+    (``UNIMPLEMENTED_OPTIONS``)."""
+
+    # -- upstream's fields, in upstream's order ----------------------------------------
     overlap_grad_reduce: bool = False
     """Reduce a bucket's gradients as soon as they are ready, during backward
     (default off, as upstream's config; ``fully_shard_model`` turns it on)."""
     overlap_param_gather: bool = False
     """Gather the next unit's weights while the current one computes (default off, as upstream's config)."""
+    check_for_nan_in_grad: bool = False
+    """Raise on every rank, after the gradient collectives and before the optimizer
+    step, when a local gradient held NaN/Inf (nan_check.py)."""
     bucket_size: Optional[int] = None
     """Most elements per bucket: a unit's parameter group larger than this is split
     into several buckets (a parameter is never split). ``None``: one bucket per group."""
     average_in_collective: bool = False
     """Average with ``ReduceOp.AVG`` inside the collective instead of pre-scaling."""
-    check_for_nan_in_grad: bool = False
-    """Raise before the gradient collective when a local gradient holds NaN/Inf."""
-    grad_reduce_in_fp32: bool = False
-    """Deprecated alias of ``megatron_fsdp_main_grads_dtype='fp32'``."""
-    preserve_fp32_weights: bool = True
-    """Deprecated alias: ``False`` means ``megatron_fsdp_main_params_dtype='auto'``."""
-    megatron_fsdp_main_params_dtype: DtypeLike = torch.float32
-    megatron_fsdp_main_grads_dtype: DtypeLike = None
-    megatron_fsdp_grad_comm_dtype: DtypeLike = None
-    fsdp_double_buffer: bool = False
-    """Reuse two fixed unsharded buckets per dtype instead of allocating per unit."""
-    nccl_ub: bool = False
-    """NCCL user-buffer registration (CUDA only)."""
+    fp8_param_gather: bool = False
+    data_parallel_sharding_strategy: Union[str, int] = "no_shard"
+    """ZeRO level inside the shard group: no_shard, optim, optim_grads, optim_grads_params (0-3).
+    The default is upstream's (``no_shard``); ``MegatronFSDP(ddp_config=None)`` and
+    ``fully_shard_model`` default to ``optim_grads_params``, as upstream's do."""
+    gradient_reduce_div_fusion: bool = True
     suggested_communication_unit_size: Optional[int] = None
     """Group consecutive small units into one collective of about this many elements."""
-    prefetch_depth: int = 1
-    """How many units ahead the all-gather pipeline prefetches."""
-    max_inflight_grad_reductions: int = 1
-    """Asynchronous gradient reductions in flight at once (bounds temporary memory)."""
     keep_fp8_transpose_cache: bool = False
-    fp8_param_gather: bool = False
-    gradient_reduce_div_fusion: bool = True
-    collective_timeout_s: Optional[float] = None
-    """Seconds a collective may block before it fails (None: the process group's)."""
-    megatron_fsdp_enable_fine_grained_param_gather: bool = False
-    """Gather each parameter-owning module on its own (more, smaller all-gathers);
-    the same as ``fully_shard_model(enable_fine_grained_param_gather=True)``."""
-
-    # -- upstream options this engine does not implement ------------------------------
-    # Accepted at upstream's default, so upstream configs construct unchanged; any
-    # other value raises NotImplementedError naming the option (UNIMPLEMENTED_OPTIONS).
+    nccl_ub: bool = False
+    """NCCL user-buffer registration (CUDA only)."""
+    fsdp_double_buffer: bool = False
+    """Reuse two fixed unsharded buckets per dtype instead of allocating per unit."""
     fsdp_all_gather_in_start_param_sync: bool = True
     """Upstream: all-gather in the first parameter sync. Here ``start_param_sync``
     always all-gathers, so only ``True`` is meaningful."""
     fsdp_db_use_persist_buf_on_alloc_fail: bool = False
     """Upstream: fall back to persistent buffers when a bucket misses the double buffer (NCCL UB)."""
+    outer_dp_sharding_strategy: Union[str, int] = "no_shard"
+    """HSDP outer group: no_shard (replicate) or optim (HFSDP: shard optimizer state too)."""
     disable_symmetric_registration: bool = False
     """Upstream: NCCL user-buffer window registration switch (CUDA only)."""
     fsdp_manual_registration: bool = False
     """Upstream: register NCCL user buffers manually (CUDA only)."""
+    megatron_fsdp_main_params_dtype: DtypeLike = torch.float32
+    megatron_fsdp_main_grads_dtype: DtypeLike = None
+    megatron_fsdp_grad_comm_dtype: DtypeLike = None
     megatron_fsdp_use_decoupled_grad: bool = False
     """Upstream: hand main gradients to precision-aware optimizers as ``decoupled_grad``."""
     megatron_fsdp_cuda_graph_mode: bool = False
     """Upstream: CUDA-graph-safe gradient references."""
+    megatron_fsdp_enable_fine_grained_param_gather: bool = False
+    """Gather each parameter-owning module on its own (more, smaller all-gathers);
+    the same as ``fully_shard_model(enable_fine_grained_param_gather=True)``."""
     megatron_fsdp_max_pool_double_buffer: bool = False
     """Upstream: a max-size recycled double-buffer pool for asymmetric units."""
+
+    # -- this engine's own fields -------------------------------------------------------
+    num_distributed_optimizer_instances: int = 1
+    """Megatron's name for the outer (replica) group size under HFSDP."""
+    use_megatron_fsdp: bool = True
+    use_distributed_optimizer: bool = True
+    grad_reduce_in_fp32: bool = False
+    """Deprecated alias of ``megatron_fsdp_main_grads_dtype='fp32'``."""
+    preserve_fp32_weights: bool = True
+    """Deprecated alias: ``False`` means ``megatron_fsdp_main_params_dtype='auto'``."""
+    prefetch_depth: int = 1
+    """How many units ahead the all-gather pipeline prefetches."""
+    max_inflight_grad_reductions: int = 1
+    """Asynchronous gradient reductions in flight at once (bounds temporary memory)."""
+    collective_timeout_s: Optional[float] = None
+    """Seconds a collective may block before it fails (None: the process group's)."""
 
     def __post_init__(self) -> None:
         check_unimplemented(self, UNIMPLEMENTED_OPTIONS, where="DistributedDataParallelConfig")

@@ -45,7 +45,7 @@ def parse_dtype(value: "torch.dtype | str | None", *, arg_name: str) -> Optional
     raise ValueError(f"{arg_name}={value!r} must be a torch dtype or one of 'fp64', 'fp32', 'bf16', 'fp16', 'auto'")
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
+@dataclasses.dataclass(frozen=True)
 class MixedPrecisionPolicy:
     """Precision of the state Megatron-FSDP keeps beside the compute weights."""
 

@@ -92,6 +92,23 @@ def test_dist_index_methods():
         assert [p["name"] for p in params] == [n for n in names if n != "self"], method
 
 
+@pytest.mark.parametrize("cls", ["MixedPrecisionPolicy", "DistributedDataParallelConfig"])
+def test_dataclass_fields_take_upstreams_positions(cls):
+    """Upstream's dataclasses accept positional arguments: ours start with upstream's
+    fields in upstream's order (they were keyword-only here, in another order)."""
+    upstream = [f["name"] for f in API["dataclasses"][cls]]
+    ours = [f.name for f in dataclasses.fields(getattr(mf, cls)) if f.init]
+    assert ours[: len(upstream)] == upstream
+
+
+def test_positional_dataclass_arguments():
+    policy = mf.MixedPrecisionPolicy(torch.float32, torch.bfloat16, torch.bfloat16)
+    assert (policy.main_params_dtype, policy.main_grads_dtype, policy.grad_comm_dtype) == (
+        torch.float32, torch.bfloat16, torch.bfloat16)
+    cfg = mf.DistributedDataParallelConfig(True, True)
+    assert cfg.overlap_grad_reduce and cfg.overlap_param_gather
+
+
 def test_megatron_fsdp_methods():
     """Every public method of upstream's MegatronFSDP, with its parameter names (Megatron-LM's
     schedules and finalize_model_grads call synchronize_param_gather, synchronize_gradient_reduce
