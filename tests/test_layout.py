@@ -95,8 +95,8 @@ def test_policy_defaults_and_validation():
     assert MixedPrecisionPolicy(main_grads_dtype="fp32").comm_dtype_for(torch.bfloat16) is torch.float32
     with pytest.raises(ValueError, match="grad_comm_dtype"):
         MixedPrecisionPolicy(grad_comm_dtype="fp8")
-    with pytest.raises(TypeError):
-        MixedPrecisionPolicy(torch.float32)  # keyword-only
+    # Positional as upstream's dataclass (field order checked in test_upstream_api.py).
+    assert MixedPrecisionPolicy(torch.float64).main_params_dtype is torch.float64
 
 
 def test_flat_range_boxes_tile_the_range_exactly():

@@ -385,29 +385,39 @@ def test_weights_read_after_an_in_place_edit(pool2, strategy):
         assert read < TOL and trained < TOL, (read, trained)
 
 
-def data_assignment_worker(rank, world, *, strategy, how, then):
-    """[Note: data assignment] ``param.data = value`` and ``vector_to_parameters`` used to
-    be ignored silently (training went on from the old weights); the next forward or
-    step refuses them, with nothing changed."""
-    model, opt, _, _ = wrapped_with_reference(SkipNet, strategy)
+def _refused(model, action) -> tuple[str, bool]:
+    """``action()``'s RuntimeError message ("no error" if none), and whether every
+    weight is bit-identical afterwards."""
     before = {k: v.clone() for k, v in mf.get_full_state_dict(model).items()}
-    if how == "data":
-        weight = model.module.out.weight
-        weight.data = torch.full(weight.shape, 0.3)
-    else:
-        total = sum(p.numel() for p in model.parameters())
-        torch.nn.utils.vector_to_parameters(torch.linspace(-0.5, 0.5, total), model.parameters())
-    x, y = make_batches("net", 1, batch=4 * world)[0]
     try:
-        if then == "forward":
-            model(x.chunk(world)[rank])
-        else:
-            opt.step()
+        action()
         message = "no error"
     except RuntimeError as exc:
         message = str(exc)
     after = mf.get_full_state_dict(model)
     return message, all(torch.equal(before[k], after[k]) for k in before)
+
+
+def data_assignment_worker(rank, world, *, strategy, how, then):
+    """[Note: data assignment] ``param.data = value`` and ``vector_to_parameters`` used to
+    be ignored silently (training went on from the old weights); the next forward or
+    step refuses them, with nothing changed."""
+    model, opt, _, _ = wrapped_with_reference(SkipNet, strategy)
+    x, y = make_batches("net", 1, batch=4 * world)[0]
+
+    def assign_then_run():
+        if how == "data":
+            weight = model.module.out.weight
+            weight.data = torch.full(weight.shape, 0.3)
+        else:
+            total = sum(p.numel() for p in model.parameters())
+            torch.nn.utils.vector_to_parameters(torch.linspace(-0.5, 0.5, total), model.parameters())
+        if then == "forward":
+            model(x.chunk(world)[rank])
+        else:
+            opt.step()
+
+    return _refused(model, assign_then_run)
 
 
 @pytest.mark.parametrize("then", ["forward", "step"])
@@ -424,20 +434,12 @@ def autograd_inputs_worker(rank, world, *, strategy, how):
     silently; autograd.grad(loss, params) failed in torch's words. Both are refused
     before anything changes, on every rank."""
     model, opt, _, _ = wrapped_with_reference(SkipNet, strategy)
-    before = {k: v.clone() for k, v in mf.get_full_state_dict(model).items()}
     x, y = make_batches("net", 1, batch=4 * world)[0]
     loss = loss_fn("net", model(x.chunk(world)[rank]), y.chunk(world)[rank])
     params = list(model.module.blocks[0].parameters())
-    try:
-        if how == "backward_inputs":
-            loss.backward(inputs=params)
-        else:
-            torch.autograd.grad(loss, params)
-        message = "no error"
-    except RuntimeError as exc:
-        message = str(exc)
-    after = mf.get_full_state_dict(model)
-    return message, all(torch.equal(before[k], after[k]) for k in before)
+    if how == "backward_inputs":
+        return _refused(model, lambda: loss.backward(inputs=params))
+    return _refused(model, lambda: torch.autograd.grad(loss, params))
 
 
 @pytest.mark.parametrize("how", ["backward_inputs", "autograd_grad"])
