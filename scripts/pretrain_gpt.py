@@ -51,6 +51,7 @@ from megatron_fsdp.training.loss_scaler import LossScaler
 from megatron_fsdp.training.lr_schedule import LRSchedule, ScheduleResume
 from megatron_fsdp.training.model_setup import setup_model_and_optimizer
 from megatron_fsdp.training.plot import plot_loss_curve
+from megatron_fsdp.training.replica_check import check_weight_replicas
 from megatron_fsdp.training.training_step import StepContext, TrainState, evaluate, train_step
 
 logger = logging.getLogger("megatron_fsdp.pretrain")
@@ -200,6 +201,10 @@ def train(args, ctx: StepContext, state: TrainState, train_src, valid_src, metri
     last = time.perf_counter()
     while state.iteration < args.train_iters:
         result = train_step(ctx, state, train_src)
+        interval = args.check_weight_hash_across_dp_replicas_interval
+        if interval and state.iteration % interval == 0:
+            check_weight_replicas(ctx.bundle.model, state.iteration)  # Megatron-LM's replica check
+            logger.info(">>> Weight hashes match after %d iterations...", state.iteration)
         is_first = state.iteration == first_iteration
         logs = state.iteration % args.log_interval == 0 or is_first
         if logs:

@@ -318,3 +318,43 @@ def test_ddp_path_follows_megatron_core_ddp(pool2, flags, expected):
         assert {k: result[k] for k in expected} == expected, (result, expected)
         if result.get("wrapper") != "torch":
             assert result["path"] == "megatron-ddp" and result["main"] == ["torch.float32"], result
+
+
+# -- --check-weight-hash-across-dp-replicas-interval -------------------------------------
+def _replica_check_task(rank: int, world: int, *, flags: list[str], corrupt: bool) -> str:
+    import torch
+
+    from megatron_fsdp.training.arguments import parse_args
+    from megatron_fsdp.training.model_setup import setup_model_and_optimizer
+    from megatron_fsdp.training.replica_check import ReplicaMismatchError, check_weight_replicas
+
+    args = parse_args(("--num-layers 1 --hidden-size 16 --num-attention-heads 2 --seq-length 8 "
+                       "--max-position-embeddings 8 --micro-batch-size 1 --lr 1e-3 --train-iters 2 --mock-data "
+                       "--vocab-size 64 --check-weight-hash-across-dp-replicas-interval 1").split() + flags,
+                      world_size=world)
+    model = setup_model_and_optimizer(args, torch.device("cpu")).model
+    if corrupt and rank == 1:  # one replica's weight changes on its own (a bit flip, a diverged rank)
+        with torch.no_grad():
+            next(iter(model.parameters())).add_(1.0)
+    try:
+        check_weight_replicas(model, iteration=5)
+        return "match"
+    except ReplicaMismatchError as exc:
+        return str(exc)
+
+
+@pytest.mark.parametrize("flags", [[], ["--bf16"], ["--use-megatron-fsdp", "--data-parallel-sharding-strategy",
+                                                    "no_shard"]], ids=["torch_ddp", "megatron_ddp", "fsdp_no_shard"])
+def test_weight_replica_check(pool2, flags):
+    assert pool2.run(_replica_check_task, flags=flags, corrupt=False) == ["match"] * 2
+    for message in pool2.run(_replica_check_task, flags=flags, corrupt=True):
+        assert "iteration 5: the data-parallel replicas of" in message and "ranks [1]" in message, message
+
+
+def test_weight_replica_check_refused_with_sharded_weights():
+    from megatron_fsdp.training.arguments import ArgumentError, parse_args
+
+    with pytest.raises(ArgumentError, match="not supported with --data-parallel-sharding-strategy optim_grads_params"):
+        parse_args("--num-layers 1 --hidden-size 16 --num-attention-heads 2 --seq-length 8 --max-position-embeddings 8 "
+                   "--micro-batch-size 1 --lr 1e-3 --train-iters 2 --mock-data --vocab-size 64 --use-megatron-fsdp "
+                   "--check-weight-hash-across-dp-replicas-interval 10".split(), world_size=2)

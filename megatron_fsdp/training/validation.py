@@ -390,6 +390,15 @@ def _io(args, world_size) -> list[str]:
         problems.append("--finetune needs --load DIR (the checkpoint whose weights to start from)")
     if args.async_save and args.save is None:
         problems.append("--async-save needs --save DIR")
+    interval = args.check_weight_hash_across_dp_replicas_interval
+    if interval is not None and interval <= 0:
+        problems.append(f"--check-weight-hash-across-dp-replicas-interval={interval} must be a positive number "
+                        "of iterations")
+    if interval is not None and args.use_megatron_fsdp and \
+            args.data_parallel_sharding_strategy == ShardingStrategy.OPTIM_GRADS_PARAMS.label:  # Megatron-LM rule
+        problems.append("--check-weight-hash-across-dp-replicas-interval is not supported with "
+                        "--data-parallel-sharding-strategy optim_grads_params (Megatron-LM's rule: the weights are "
+                        "sharded, there are no replicas to compare); drop one")
     if args.verify_integrity and args.ckpt_format != "torch_dist":  # Megatron-LM rule (training_config.py)
         problems.append(f"--verify-integrity is only supported with --ckpt-format torch_dist (Megatron-LM's rule), "
                         f"got {args.ckpt_format}; checkpoints here are always checksummed and verified anyway")
