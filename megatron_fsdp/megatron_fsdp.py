@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import enum
 import importlib
 import logging
 from typing import Any, Iterator, Optional, Sequence
@@ -20,7 +19,7 @@ from . import state_dict as state_dict_mod
 from .all_gather_pipeline import AllGatherPipeline
 from .config import DistributedDataParallelConfig, check_unimplemented
 from .distributed_index import FSDPDistributedIndex, build_default_mesh
-from .enums import BucketStatus, ShardingStrategy
+from .enums import ShardingStrategy
 from .grad_reduce_pipeline import GradReducePipeline, GradReduceOptions
 from .hooks import FSDPUnit, HookRuntime, guard_hooks_under_compile
 from .marks import is_fsdp_no_shard
@@ -32,29 +31,9 @@ from .owners import COMPUTE_OWNERS, OWNERS, WRAPPED
 from .param_and_grad_buffer import ParamAndGradBuffer
 from .param_swap import RegisteredParams
 from .units import NO_SHARD_UNIT_SIZE, UnitSpec, merge_units, slot_plan, split_into_parameter_owners
+from .weight_edits import WeightEdits
 
 logger = logging.getLogger(__name__)
-
-class EditKind(enum.Enum):
-    """How in-place edits of a group's distributed parameters reach its compute weights."""
-
-    MAIN = enum.auto()
-    """The compute weights are a local cast of separate main weights."""
-    SHARD = enum.auto()
-    """The user's shard of replicated weights (ZeRO-1/2) must reach the other ranks."""
-    PIECE = enum.auto()
-    """HFSDP: the model-weight shard is gathered from the outer group's main-weight pieces."""
-
-
-_SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _bits_differ(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """0-dim: some element of ``a`` and ``b`` (same dtype) differs bit for bit. A value
-    compare would call a NaN weight edited at every step (NaN != NaN) and re-gather it."""
-    width = _SAME_WIDTH_INT[a.element_size()]
-    return (a.view(width) != b.view(width)).any()
-
 
 def resolve_unit_classes(entries: Any) -> tuple[type, ...]:
     """``fsdp_unit_modules`` entries are module classes or import paths of them; one
@@ -254,8 +233,8 @@ class MegatronFSDP(RefusesCopies, nn.Module):
                 COMPUTE_OWNERS[param] = self
         self._requires_grad = {p: p.requires_grad for g in buffer.groups for p in g.params}
         """Compute parameter -> requires_grad as last synchronised with its distributed twin."""
-        self._shard_snapshots: dict = {}
-        self._snapshot_weights()
+        self._edits = WeightEdits(buffer, self.all_gather_pipeline, self.dist_index, self.grad_reduce_pipeline)
+        self._edits.snapshot()
         self.broadcast_buffers = broadcast_buffers
         self._buffers_need_sync = True
         self._registered = RegisteredParams(
@@ -347,7 +326,7 @@ class MegatronFSDP(RefusesCopies, nn.Module):
         under torch.compile]): traced, it guarded on every parameter's id and recompiled
         for every model."""
         self._sync_requires_grad()
-        self._refresh_edited_weights()
+        self._edits.refresh()
         if self.broadcast_buffers and self._buffers_need_sync:
             self._broadcast_module_buffers()
         # As DDP: a forward that will sync gradients makes the next forward sync buffers.
@@ -526,7 +505,7 @@ class MegatronFSDP(RefusesCopies, nn.Module):
         if stale:
             self.all_gather_pipeline.mark_stale(stale)
             self.start_param_sync()
-        self._snapshot_weights()
+        self._edits.snapshot()
 
     @torch.no_grad()
     def _broadcast_module_buffers(self) -> None:
@@ -546,95 +525,6 @@ class MegatronFSDP(RefusesCopies, nn.Module):
                 b.copy_(piece.view_as(b))
 
     # -- user changes between steps ---------------------------------------------------
-    def _edit_kind(self, group) -> Optional[EditKind]:
-        """How in-place edits of the group's distributed parameters are seen (``None``:
-        the compute weights are what the user edits)."""
-        if group.hfsdp and group.strategy.shards_optimizer:
-            return EditKind.PIECE
-        if group.main_weights is not None:
-            return EditKind.MAIN
-        if group.strategy in (ShardingStrategy.OPTIM, ShardingStrategy.OPTIM_GRADS) and group.layout.world_size > 1:
-            return EditKind.SHARD
-        return None
-
-    @torch.no_grad()
-    def _snapshot_weights(self) -> None:
-        """After the weights were installed: what the next forward compares against."""
-        self._check_edits = True
-        for group in self.param_and_grad_buffer.groups:
-            if self._edit_kind(group) is EditKind.SHARD:
-                snapshot = self._shard_snapshots.get(group)
-                if snapshot is None:
-                    self._shard_snapshots[group] = group.model_weights.shard.clone()
-                else:
-                    snapshot.copy_(group.model_weights.shard)
-
-    def _edited(self, group, kind: EditKind) -> torch.Tensor:
-        """0-dim: the group's weights changed since installed (on the device: one
-        host sync for all groups, not one per group)."""
-        if kind is EditKind.PIECE:
-            model, main = group.model_weights, group.main_weights
-            numel = main.data.numel()
-            mine = model.data[group.dp.outer_rank * numel : (group.dp.outer_rank + 1) * numel]
-            return _bits_differ(mine, main.data.to(mine.dtype))
-        if kind is EditKind.MAIN:
-            mine, source = group.cast_pair()
-            return _bits_differ(mine, source.to(mine.dtype))
-        return _bits_differ(group.model_weights.shard, self._shard_snapshots[group])
-
-    @torch.no_grad()
-    def _refresh_edited_weights(self) -> None:
-        """In-place edits of ``model.parameters()`` after a step (weight clipping, an EMA
-        copied back, a re-initialisation) reach the compute weights, at the first
-        forward after each step. Compute weights cast locally from main weights
-        (ZeRO-0 and ZeRO-3) are cast again. The others are compared with what was
-        installed, one host read of the flags per step: ZeRO-1/2 agree over the group
-        on which groups changed (a clamp may change nothing on one rank's shard)
-        before re-gathering them."""
-        if not self._check_edits:
-            return
-        self._check_edits = False
-        kinds = {g: kind for g in self.param_and_grad_buffer.groups if (kind := self._edit_kind(g)) is not None}
-        recast = [g for g, kind in kinds.items() if kind is EditKind.MAIN
-                  and g.strategy in (ShardingStrategy.NO_SHARD, ShardingStrategy.OPTIM_GRADS_PARAMS)]
-        if recast:
-            # Compute weights that are this rank's own cast of its main weights (no
-            # gather follows): casting again equals "compare, copy where edited", costs
-            # less than the compare, and needs no host read of a flag.
-            self.all_gather_pipeline.wait(recast)
-            for group in recast:
-                group.recast()
-        groups = [g for g in kinds if g not in recast]
-        if not groups:
-            return
-        flags = torch.stack([self._edited(g, kinds[g]) for g in groups]).float()
-        # Decisions that lead to collectives must be the same on every rank.
-        dp = self.dist_index.groups_for(False)
-        if any(g.strategy in (ShardingStrategy.OPTIM, ShardingStrategy.OPTIM_GRADS) and g.layout.world_size > 1
-               for g in groups):
-            collectives.control_all_reduce(flags, dp.shard_group, op=dist.ReduceOp.MAX, label="weight_edits",
-                                           timeout=self.grad_reduce_pipeline.timeout)
-        if any(kinds[g] is EditKind.PIECE for g in groups):
-            for pg in (dp.shard_group, dp.outer_group):
-                if pg is not None and dist.get_world_size(pg) > 1:
-                    collectives.control_all_reduce(flags, pg, op=dist.ReduceOp.MAX, label="weight_edits",
-                                                   timeout=self.grad_reduce_pipeline.timeout)
-        edited = [g for g, flag in zip(groups, flags.tolist()) if flag]
-        if not edited:
-            return
-        self.all_gather_pipeline.wait(edited)
-        pieces = [g for g in edited if kinds[g] is EditKind.PIECE]
-        if pieces:
-            self.all_gather_pipeline.gather_outer(pieces)
-        for group in edited:
-            if kinds[group] is EditKind.MAIN:
-                group.recast()
-        stale = [g for g in edited if g.strategy in (ShardingStrategy.OPTIM, ShardingStrategy.OPTIM_GRADS)]
-        self.all_gather_pipeline.mark_stale(stale)
-        self.all_gather_pipeline.unshard([g for g in stale if g.model_weights.status is BucketStatus.EMPTY], async_op=False)
-        self._snapshot_weights()
-        self._check_edits = False
-
     def _sync_requires_grad(self) -> None:
         """``requires_grad`` set on either twin (between steps the module's parameters
         are the distributed ones; a reference taken before wrapping is the compute
@@ -681,7 +571,7 @@ class MegatronFSDP(RefusesCopies, nn.Module):
         """Wait for the weight refresh of the last step; also brings in-place edits of
         ``model.parameters()`` made since into the compute weights (collective)."""
         self.all_gather_pipeline.wait_all()
-        self._refresh_edited_weights()
+        self._edits.refresh()
 
     def check_distributed_params(self) -> None:
         """Refuse, before an optimizer step changes anything, distributed parameters
@@ -695,9 +585,7 @@ class MegatronFSDP(RefusesCopies, nn.Module):
         replicas of other ranks' shards, different on each rank). The next forward
         still checks for edits: more may follow the read. Collective."""
         self.all_gather_pipeline.wait_all()
-        armed = self._check_edits
-        self._refresh_edited_weights()
-        self._check_edits = armed
+        self._edits.refresh(keep_armed=True)
 
     def synchronize_param_gather(self) -> None:
         """Wait for every weight all-gather in flight (Megatron-LM's schedules call it

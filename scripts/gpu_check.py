@@ -375,7 +375,7 @@ def check_host_syncs(device: torch.device) -> dict:
             collect()
     def allowed(row: dict) -> int:
         # ZeRO-1/2 with separate main weights compare them with the compute weights
-        # for in-place edits (megatron_fsdp.py _refresh_edited_weights): one read per step.
+        # for in-place edits (weight_edits.py WeightEdits.refresh): one read per step.
         edit_check = row["bf16_params"] and row["strategy"] in ("optim", "optim_grads")
         return int(row["nan_check"]) + int(edit_check)
 
