@@ -94,19 +94,15 @@ def switch_load_balancing_loss(logits: torch.Tensor, indices: torch.Tensor, coef
     (Megatron-core's ``switch_load_balancing_loss_func``). It is 1 * coeff when
     routing is uniform and grows as tokens pile onto few experts. Only P carries a
     gradient (the counts are not differentiable)."""
-    num_tokens, num_experts = logits.shape
-    topk = indices.shape[-1]
-    scores = torch.softmax(logits, dim=-1, dtype=torch.float32)  # (n, E)
-    tokens_per_expert = torch.bincount(indices.reshape(-1), minlength=num_experts).to(scores.dtype)  # (E,)
-    scale = num_experts * coeff / (topk * num_tokens * num_tokens)
-    return (scores.sum(dim=0) * tokens_per_expert).sum() * scale
+    return sequence_load_balancing_loss(logits, indices, coeff, num_sequences=1)
 
 
 def sequence_load_balancing_loss(logits: torch.Tensor, indices: torch.Tensor, coeff: float,
                                  num_sequences: int) -> torch.Tensor:
     """``--moe-router-load-balancing-type seq_aux_loss``: the Switch loss of each
     sequence's tokens on their own (counts and mean scores per sequence), averaged over
-    the sequences -- what Megatron-core gets by folding the batch into the expert axis.
+    the sequences -- what Megatron-core gets by folding the batch into the expert axis
+    (one sequence: ``switch_load_balancing_loss``).
     ``logits`` (b * t, E) in batch-major token order (b sequences of t tokens)."""
     num_tokens, num_experts = logits.shape
     topk = indices.shape[-1]
