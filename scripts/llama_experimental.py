@@ -135,8 +135,9 @@ def init_weights(model: nn.Module, seed: int) -> None:
             module.reset_parameters()
 
 
-def train(model, context, source, *, steps, micro_batch_size, microbatches, lr, rank, world, device) -> list[float]:
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+def train(model, context, source, *, steps, micro_batch_size, microbatches, lr, rank, world, device,
+          adam_eps: float = 1e-8) -> list[float]:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, eps=adam_eps, weight_decay=0.1)
     fully_shard_optimizer(optimizer)
     layout = data.BatchLayout(micro_batch_size=micro_batch_size, num_microbatches=microbatches,
                               dp_rank=rank, dp_size=world)
