@@ -2,7 +2,7 @@
 
 * DDP and Megatron-FSDP (each of the four strategies) train the same tiny GPT on the
   same deterministic global batches: the loss falls and every iteration's loss of
-  every FSDP run equals DDP's within 1e-4.
+  every FSDP run equals DDP's within 1e-5.
 * A run saves Megatron-style checkpoints at iterations 10 and 20; a fresh process
   resuming from iteration 10 reproduces the uninterrupted run's iterations 11-20.
 * Bad flags / config files exit non-zero with a message naming the value and the fix.
@@ -36,6 +36,7 @@ TINY = [
     "--seq-length", "32", "--max-position-embeddings", "32",
     "--micro-batch-size", "2", "--global-batch-size", "8",  # 2 micro batches per rank: exercises no_sync
     "--train-iters", "20", "--lr", "3e-3", "--seed", "1234",
+    "--adam-eps", "1e-4",  # the house rule for AdamW parity: see test_fsdp_matches_ddp_every_iteration
     "--log-interval", "5", "--eval-interval", "10", "--eval-iters", "1",
 ]
 FSDP = ["--use-megatron-fsdp", "--use-distributed-optimizer", "--no-gradient-accumulation-fusion",
@@ -104,9 +105,11 @@ def test_fsdp_matches_ddp_every_iteration(runs, strategy):
     assert f"Megatron-FSDP ({strategy})" in stdout
     assert fsdp["iterations"] == ddp["iterations"]
     for it, a, b in zip(fsdp["iterations"], fsdp["lm_loss"], ddp["lm_loss"]):
-        assert abs(a - b) <= 1e-4, f"{strategy}: iteration {it}: loss {a} vs DDP {b}"
+        # fp32, AdamW eps=1e-4: only reduction order differs (a tiny eps would turn
+        # its rounding in near-zero gradients into large update differences).
+        assert abs(a - b) <= 1e-5, f"{strategy}: iteration {it}: loss {a} vs DDP {b}"
     for (it_a, a), (it_b, b) in zip(fsdp["validation"], ddp["validation"]):
-        assert it_a == it_b and abs(a - b) <= 1e-4
+        assert it_a == it_b and abs(a - b) <= 1e-5
     assert fsdp["lm_loss"][-1] < fsdp["lm_loss"][0] - 1.0
 
 
@@ -117,7 +120,7 @@ def test_megatron_ddp_with_distributed_optimizer_matches_ddp(runs):
     assert "Megatron-core DDP + distributed optimizer on Megatron-FSDP's optim" in stdout
     ddp = runs["ddp"][0]
     for it, a, b in zip(metrics["iterations"], metrics["lm_loss"], ddp["lm_loss"]):
-        assert abs(a - b) <= 1e-4, f"iteration {it}: loss {a} vs DDP {b}"
+        assert abs(a - b) <= 1e-5, f"iteration {it}: loss {a} vs DDP {b}"
     assert len(metrics["iterations"]) == len(ddp["iterations"])
 
 
