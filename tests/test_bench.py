@@ -113,8 +113,9 @@ def test_memory_categories_match_the_formula(record, name):
 
 def test_every_implementation_trained_the_same_model(record):
     for name, impl in record[0]["impls"].items():
-        # Same seed, data and precision: losses agree up to reduction order.
-        assert impl["max_loss_diff_vs_ddp"] < 1e-3, f"{name}: {impl['losses_rank0']}"
+        # Same seed, data and precision: losses agree up to reduction order (fp32;
+        # 0.0 on 2 cores for every implementation, the run being 3 steps short).
+        assert impl["max_loss_diff_vs_ddp"] < 1e-5, f"{name}: {impl['losses_rank0']}"
 
 
 def test_chart_is_written(record):
@@ -140,4 +141,4 @@ def test_double_buffer_run_moves_the_same_bytes_and_trains_the_same(tmp_path):
         for rank_memory in impl["memory"]["per_rank"]:
             for key, expected in impl["memory"]["expected"].items():
                 assert abs(rank_memory[key] - expected) <= MEMORY_TOLERANCE * max(expected, 1) + 64, (name, key)
-        assert impl["max_loss_diff_vs_ddp"] < 1e-3, name
+        assert impl["max_loss_diff_vs_ddp"] < 1e-5, name
