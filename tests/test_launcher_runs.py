@@ -247,7 +247,7 @@ def _ddp_moe_task(rank: int, world: int) -> dict:
     from megatron_fsdp.models import GPT, GPTConfig, gpt_loss, moe
     from megatron_fsdp.training.model_setup import needs_find_unused_parameters
 
-    def to_first_two(logits, topk, pre_softmax=False, scaling_factor=None):  # experts 2 and 3 get no token at all
+    def to_first_two(logits, topk, *_, **__):  # experts 2 and 3 get no token at all
         probs = torch.softmax(logits[:, :topk], dim=-1)
         return probs, torch.arange(topk).expand(logits.shape[0], topk)
 

@@ -68,6 +68,17 @@ class PositionEmbeddingType(_ParsedEnum):
     """No position information besides the causal mask (NoPE)."""
 
 
+class RopeType(_ParsedEnum):
+    """Megatron's ``--rope-type``: the rotary embedding of multi-latent attention."""
+
+    ROPE = "rope"
+    """Plain RoPE on the positional channels (``rotary_base``, ``rotary_percent``)."""
+    YARN = "yarn"
+    """YaRN: RoPE whose low frequencies are interpolated by ``rotary_scaling_factor``,
+    with its cos/sin scaled by the ``mscale`` concentration factor (megatron-core's
+    default for MLA)."""
+
+
 class RouterDtype(_ParsedEnum):
     """Megatron's ``--moe-router-dtype``: the precision the MoE router computes in."""
 
@@ -87,13 +98,39 @@ class MoELoadBalancing(_ParsedEnum):
     """The Switch loss over all tokens of the micro batch."""
     SEQ_AUX_LOSS = "seq_aux_loss"
     """The Switch loss of each sequence on its own, averaged over the sequences."""
+    GLOBAL_AUX_LOSS = "global_aux_loss"
+    """The Switch loss with the expert counts of the whole global batch: summed over the
+    data-parallel ranks, averaged over the micro batches run so far in the iteration
+    (see router.py, [Note: global aux loss])."""
+    SINKHORN = "sinkhorn"
+    """No loss: experts are picked on the Sinkhorn-balanced scores in training (S-BASE);
+    needs ``moe_aux_loss_coeff=0``."""
     NONE = "none"
     """No balancing loss, whatever ``moe_aux_loss_coeff`` says."""
 
     @property
     def log_name(self) -> str:
         """The name Megatron-LM logs this loss under (megatron-core's tracker entry)."""
-        return "seq_load_balancing_loss" if self is MoELoadBalancing.SEQ_AUX_LOSS else "load_balancing_loss"
+        return {MoELoadBalancing.SEQ_AUX_LOSS: "seq_load_balancing_loss",
+                MoELoadBalancing.GLOBAL_AUX_LOSS: "global_load_balancing_loss"}.get(self, "load_balancing_loss")
+
+    @property
+    def logged_as_rank_sum(self) -> bool:
+        """Whether Megatron-LM logs the sum over data-parallel ranks rather than their mean:
+        each rank's global loss divides by the tokens of every rank, so the ranks' values are
+        parts of one loss (megatron-core reduces that tracker entry over its DP-including group)."""
+        return self is MoELoadBalancing.GLOBAL_AUX_LOSS
+
+
+class ScoreFunction(_ParsedEnum):
+    """Megatron's ``--moe-router-score-function``: how the router turns logits into scores."""
+
+    SOFTMAX = "softmax"
+    """Softmax: over the k largest logits (or over all experts with ``moe_router_pre_softmax``)."""
+    SIGMOID = "sigmoid"
+    """sigmoid(logit) per expert, independent of the others (DeepSeek-V3); with k > 1 the k
+    chosen scores are divided by their sum, so each token's weights sum to 1 (before
+    ``moe_router_topk_scaling_factor``)."""
 
 
 class RecomputeGranularity(_ParsedEnum):
@@ -216,6 +253,22 @@ class GPTConfig:
     k chosen); by default softmax over the k chosen logits, as Megatron."""
     moe_router_topk_scaling_factor: Optional[float] = None
     """Multiply the k routing probabilities by this (DeepSeek); ``None`` = 1."""
+    moe_router_score_function: Union[ScoreFunction, str] = ScoreFunction.SOFTMAX
+    """Scores from logits: softmax (Megatron's default) or sigmoid (DeepSeek-V3). The
+    balancing losses use the same function over all experts (sigmoid: normalised per token)."""
+    moe_router_enable_expert_bias: bool = False
+    """Aux-loss-free balancing (DeepSeek-V3): a per-expert bias, added to the sigmoid scores
+    for choosing the experts only (the routing weights stay the unbiased scores), nudged
+    after every global batch towards even loads. Needs the sigmoid score function. See
+    router.py, [Note: expert bias]."""
+    moe_router_bias_update_rate: float = 1e-3
+    """Step of the expert-bias update: bias += rate * sign(mean load - expert's load)."""
+    moe_router_num_groups: Optional[int] = None
+    """Group-limited routing: the experts form this many equal groups (e.g. one per device or
+    node); used with ``moe_router_group_topk``."""
+    moe_router_group_topk: Optional[int] = None
+    """Group-limited routing: each token first picks this many groups (by the sum of each
+    group's top topk/group_topk scores), then its k experts among theirs. ``None``: off."""
     moe_shared_expert_intermediate_size: Optional[int] = None
     """Width of a shared expert MLP that every token goes through besides its routed
     experts (its output is added); ``None`` = no shared expert. As in Megatron-core it
@@ -230,6 +283,41 @@ class GPTConfig:
     moe_layer_freq: Union[int, list[int]] = 1
     """Which layers are MoE: every N-th layer (layer i when i % N == 0), or a 0/1 list
     with one entry per layer (Megatron's ``--moe-layer-freq``)."""
+
+    # -- multi-latent attention (DeepSeek MLA; see mla.py) -------------------------------
+    multi_latent_attention: bool = False
+    """Attention through low-rank query / key-value latents with a decoupled rotary
+    part (Megatron's ``--multi-latent-attention``); ``num_query_groups`` and
+    ``kv_channels`` play no part then. Defaults below are Megatron-LM's flag defaults
+    (MLATransformerConfig's own differ: ranks 512, rotary_scaling_factor 40)."""
+    q_lora_rank: Optional[int] = None
+    """Rank of the query latent; ``None`` projects queries straight from the hidden state."""
+    kv_lora_rank: int = 32
+    """Rank of the shared key/value latent."""
+    qk_head_dim: int = 128
+    """Per-head query/key channels without position information."""
+    qk_pos_emb_head_dim: int = 64
+    """Per-head query/key channels that carry the rotary embedding (the key's are shared
+    by all heads)."""
+    v_head_dim: int = 128
+    """Per-head value channels."""
+    rope_type: Union[RopeType, str, None] = None
+    """MLA's rotary embedding; ``None`` = yarn with MLA (megatron-core's default). Without
+    MLA only ``rope`` is accepted (Megatron-LM's rule) and it changes nothing."""
+    rotary_scaling_factor: float = 1.0
+    """YaRN's interpolation factor. It also enters MLA's softmax scale, with plain rope
+    too: (0.1 * mscale_all_dim * ln(factor) + 1)^2 / sqrt(q head dim) when factor > 1."""
+    mscale: float = 1.0
+    """YaRN concentration: cos/sin are scaled by mscale(factor, mscale) / mscale(factor, mscale_all_dim)."""
+    mscale_all_dim: float = 0.0
+    """See ``mscale`` and ``rotary_scaling_factor``."""
+    original_max_position_embeddings: int = 4096
+    """YaRN's pre-extension context length. Megatron-LM's flags never set it for MLA (its
+    ``--yarn-*`` flags feed ``--position-embedding-type yarn`` only): megatron-core's default."""
+    beta_fast: float = 32.0
+    """YaRN's fast-rotation boundary (rotations over the original context); megatron-core's default."""
+    beta_slow: float = 1.0
+    """YaRN's slow-rotation boundary; megatron-core's default."""
 
     # -- legacy spellings (kept so existing callers keep working) --------------------
     tie_embeddings: Optional[bool] = None
@@ -246,6 +334,8 @@ class GPTConfig:
             self.position_embedding_type, arg_name="position_embedding_type")
         self.moe_router_load_balancing_type = MoELoadBalancing.parse(
             self.moe_router_load_balancing_type, arg_name="moe_router_load_balancing_type")
+        self.moe_router_score_function = ScoreFunction.parse(
+            self.moe_router_score_function, arg_name="moe_router_score_function")
         if self.moe_router_dtype is not None:
             self.moe_router_dtype = RouterDtype.parse(self.moe_router_dtype, arg_name="moe_router_dtype")
         if self.recompute_granularity is not None:
@@ -256,6 +346,7 @@ class GPTConfig:
         self._check_attention()
         self._check_regularisation()
         self._check_moe()
+        self._check_mla()
 
     # -- validation ----------------------------------------------------------------------
     def _resolve_legacy(self) -> None:
@@ -318,7 +409,7 @@ class GPTConfig:
                 f"{self.num_attention_heads} (each key/value head serves a whole group of query heads)")
         if self.norm_epsilon <= 0:
             raise ValueError(f"norm_epsilon={self.norm_epsilon} must be positive")
-        if self.position_embedding_type is PositionEmbeddingType.ROPE:
+        if self.position_embedding_type is PositionEmbeddingType.ROPE and not self.multi_latent_attention:
             if not 0.0 < self.rotary_percent <= 1.0:
                 raise ValueError(f"rotary_percent={self.rotary_percent} must be in (0, 1]")
             if self.rotary_dim % 2 or self.rotary_dim == 0:
@@ -355,12 +446,102 @@ class GPTConfig:
             raise ValueError(f"moe_router_topk_scaling_factor={self.moe_router_topk_scaling_factor} must be positive")
         if self.moe_aux_loss_coeff < 0:
             raise ValueError(f"moe_aux_loss_coeff={self.moe_aux_loss_coeff} must be >= 0")
+        self._check_router()
         pattern = self.moe_layer_pattern
         if len(pattern) != self.num_layers or any(v not in (0, 1) for v in pattern):
             raise ValueError(f"moe_layer_freq={self.moe_layer_freq!r} must be a positive int or a list of "
                              f"{self.num_layers} zeros and ones (one per layer)")
 
+    def _check_router(self) -> None:
+        """megatron-core's router rules (TransformerConfig.__post_init__), plus settings the
+        chosen routing would silently ignore."""
+        experts, topk = self.num_moe_experts, self.moe_router_topk
+        sigmoid = self.moe_router_score_function is ScoreFunction.SIGMOID
+        if self.moe_router_enable_expert_bias and not sigmoid:
+            raise ValueError("moe_router_enable_expert_bias needs moe_router_score_function='sigmoid' (megatron-core "
+                             "adds the bias to sigmoid scores only); pass --moe-router-score-function sigmoid")
+        if self.moe_router_bias_update_rate < 0:
+            raise ValueError(f"moe_router_bias_update_rate={self.moe_router_bias_update_rate} must be >= 0")
+        groups, group_topk = self.moe_router_num_groups, self.moe_router_group_topk
+        if groups is not None and groups <= 0:
+            raise ValueError(f"moe_router_num_groups={groups} must be positive")
+        if group_topk is not None:
+            if groups is None:
+                raise ValueError(f"moe_router_group_topk={group_topk} needs moe_router_num_groups (how many groups "
+                                 "the experts form); pass --moe-router-num-groups")
+            if experts % groups:
+                raise ValueError(f"num_moe_experts={experts} must be divisible by moe_router_num_groups={groups} "
+                                 "(the groups are equal-sized)")
+            if not 1 <= group_topk <= min(groups, topk):
+                raise ValueError(
+                    f"moe_router_group_topk={group_topk} must be between 1 and min(moe_router_num_groups={groups}, "
+                    f"moe_router_topk={topk}): a group is scored by the sum of its top topk // group_topk experts")
+            if group_topk * (experts // groups) < topk:
+                raise ValueError(f"moe_router_group_topk={group_topk} groups of {experts // groups} experts hold fewer "
+                                 f"than moe_router_topk={topk} experts; choose more groups per token")
+        if self.moe_router_load_balancing_type is MoELoadBalancing.SINKHORN:
+            ignored = [name for name, on in (
+                ("moe_aux_loss_coeff", self.moe_aux_loss_coeff > 0), ("moe_router_score_function='sigmoid'", sigmoid),
+                ("moe_router_pre_softmax", self.moe_router_pre_softmax),
+                ("moe_router_topk_scaling_factor", self.moe_router_topk_scaling_factor is not None),
+                ("moe_router_enable_expert_bias", self.moe_router_enable_expert_bias),
+                ("moe_router_group_topk", group_topk is not None)) if on]
+            if ignored:
+                raise ValueError(f"moe_router_load_balancing_type='sinkhorn' takes no {', '.join(ignored)}: Sinkhorn "
+                                 "routing has its own scores and no aux loss (megatron-core rejects an aux-loss "
+                                 "coefficient and ignores the rest); drop them")
+        elif topk == 1 and not sigmoid and not self.moe_router_pre_softmax:
+            raise ValueError("moe_router_topk=1 with the softmax score function needs moe_router_pre_softmax: a "
+                             "softmax over the single chosen logit is 1 with zero gradient (megatron-core refuses it "
+                             "too); pass --moe-router-pre-softmax")
+
+    def _check_mla(self) -> None:
+        if self.rope_type is not None:
+            self.rope_type = RopeType.parse(self.rope_type, arg_name="rope_type")
+        if not self.multi_latent_attention:
+            if self.rope_type is RopeType.YARN:
+                raise ValueError("rope_type='yarn' needs multi_latent_attention=True (Megatron-LM: common attention "
+                                 "only supports rope_type='rope'); drop rope_type or turn MLA on")
+            return
+        if self.rope_type is None:
+            self.rope_type = RopeType.YARN  # megatron-core's MLATransformerConfig default
+        if self.num_query_groups != self.num_attention_heads:
+            raise ValueError(f"num_query_groups={self.num_query_groups} with multi_latent_attention: MLA has one "
+                             "key/value per query head (Megatron-LM refuses group-query attention with MLA); drop it")
+        for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+                     "original_max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if self.q_lora_rank is not None and (not isinstance(self.q_lora_rank, int) or self.q_lora_rank <= 0):
+            raise ValueError(f"q_lora_rank={self.q_lora_rank!r} must be a positive integer, or None for no "
+                             "query compression")
+        if not 0.0 < self.rotary_percent <= 1.0:
+            raise ValueError(f"rotary_percent={self.rotary_percent} must be in (0, 1]")
+        if self.mla_rotary_dim % 2 or self.mla_rotary_dim == 0:
+            raise ValueError(f"MLA rotates pairs of channels: qk_pos_emb_head_dim={self.qk_pos_emb_head_dim} "
+                             f"(times rotary_percent={self.rotary_percent} with rope_type='rope') gives "
+                             f"{self.mla_rotary_dim}; choose an even, non-zero number")
+        if self.rotary_base <= 0 or self.rotary_scaling_factor <= 0:
+            raise ValueError(f"rotary_base={self.rotary_base} and rotary_scaling_factor={self.rotary_scaling_factor} "
+                             "must be positive")
+        from .yarn import yarn_mscale  # one-way: yarn.py imports nothing from here
+
+        for name in ("mscale", "mscale_all_dim"):
+            if yarn_mscale(self.rotary_scaling_factor, getattr(self, name)) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)} with rotary_scaling_factor="
+                                 f"{self.rotary_scaling_factor} gives a YaRN scale 0.1 * {name} * ln(factor) + 1 "
+                                 "<= 0; use a larger value")
+
     # -- derived -------------------------------------------------------------------------
+    @property
+    def mla_rotary_dim(self) -> int:
+        """Channels of MLA's positional part that turn: all of them with yarn (megatron-core's
+        YaRN ignores rotary_percent), int(qk_pos_emb_head_dim * rotary_percent) with rope."""
+        if self.rope_type is RopeType.ROPE and self.rotary_percent < 1.0:
+            return int(self.qk_pos_emb_head_dim * self.rotary_percent)
+        return self.qk_pos_emb_head_dim
+
     @property
     def recompute_plan(self) -> tuple[RecomputeMethod, int]:
         """(method, layers) of full recomputation, defaults applied: uniform, 1 layer."""

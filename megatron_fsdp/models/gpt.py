@@ -92,6 +92,12 @@ class GPT(nn.Module):
         for layer in self.moe_layers():
             layer.aux_loss_scale = float(scale)
 
+    def set_moe_data_parallel_group(self, group) -> None:
+        """The data-parallel group the global aux loss sums its expert counts over in
+        forward (router.py, [Note: global aux loss]); None, the default: the default group."""
+        for layer in self.moe_layers():
+            layer.router.data_parallel_group = group
+
     def moe_load_balancing_loss(self) -> torch.Tensor | None:
         """What Megatron-LM logs as ``load_balancing_loss`` for the latest training
         forward: each MoE layer's switch balancing loss *without* its coefficient

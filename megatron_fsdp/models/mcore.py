@@ -9,10 +9,15 @@ naming the reason:
 * no CUDA: megatron-core's GPT forward allocates on ``torch.cuda.current_device()``
   and forks its CUDA RNG tracker in every attention, so on a CPU-only torch the
   model builds but cannot run. ``build_mcore_gpt`` raises unless the caller says
-  it provides a CPU bridge (``allow_cpu=True``; the tests use tests/mcore_cpu_shim.py);
-* settings the local spec lacks (``apply_layernorm_1p``: torch norms have no
-  zero-centred gamma) or that this mapping does not carry (a ``moe_layer_freq``
-  other than every layer).
+  it provides a CPU bridge (``allow_cpu=True``; the tests use tests/mcore_cpu_shim.py).
+
+Two settings reach megatron-core through its own extension point, the layer spec:
+
+* ``moe_layer_freq``: the decoder is built from ``get_gpt_decoder_block_spec`` (dense
+  and MoE layer specs per megatron-core's own reading of ``moe_layer_freq``), as
+  Megatron-LM's ``gpt_builder`` does for every ``--num-experts`` model;
+* ``apply_layernorm_1p`` (megatron-core's ``layernorm_zero_centered_gamma``): see
+  [Note: zero-centred norms in megatron-core] below.
 
 ``to_mcore_state_dict`` maps the embedded GPT's state dict onto megatron-core's
 names and fused-QKV layout, so the same weights can run in both (the tests use it
@@ -29,18 +34,80 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import device
-from .config import GPTConfig, PositionEmbeddingType, RecomputeGranularity
+from .config import GPTConfig, MoELoadBalancing, Normalization, PositionEmbeddingType, RecomputeGranularity
+from .layers import ZeroCenteredNorm
 
 
 def mcore_unsupported(cfg: GPTConfig) -> list[str]:
-    """Why megatron-core's local GPT cannot represent ``cfg`` (empty when it can)."""
-    reasons = []
-    if cfg.apply_layernorm_1p:
-        reasons.append("apply_layernorm_1p: the local spec's torch norms have no zero-centred gamma "
-                       "(it needs TransformerEngine)")
-    if cfg.num_moe_experts is not None and cfg.moe_layer_pattern != [1] * cfg.num_layers:
-        reasons.append(f"moe_layer_freq={cfg.moe_layer_freq!r}: only every layer MoE is mapped")
-    return reasons
+    """Why megatron-core's local GPT cannot represent ``cfg`` (empty when it can).
+    Every ``GPTConfig`` setting is mapped today; a setting added to ``GPTConfig``
+    before its mapping exists belongs here, so it is refused rather than dropped."""
+    return []
+
+
+class ZeroCenteredMcoreNorm(ZeroCenteredNorm):
+    """[Note: zero-centred norms in megatron-core] megatron-core realises
+    ``layernorm_zero_centered_gamma`` in the norm module its spec names, never in
+    the layer: TransformerEngine's ``TENorm`` (LayerNorm and RMSNorm, Megatron-LM's
+    default ``--transformer-impl transformer_engine``) and apex's ``FusedLayerNorm``
+    (LayerNorm; the local spec with apex) store the weight w, start it at 0 (bias at
+    0) and normalise with 1 + w. The local spec's fallback without apex,
+    ``WrappedTorchNorm``, asserts the setting off, and neither apex nor
+    TransformerEngine is needed here, so this module takes the norm's place in the
+    spec: megatron-core's norm constructor signature, the same arithmetic as those
+    modules (``layers.ZeroCenteredNorm``), the same parameter names (``weight``,
+    ``bias``), so checkpoints keep megatron-core's keys. Like theirs its weight is
+    1-D, so Megatron-LM's optimizer groups give it no weight decay (the q/k norms do
+    decay with ``--apply-wd-to-qk-layernorm``, towards a scale of 1)."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
+                 zero_centered_gamma: bool = False, normalization: str | None = None) -> None:
+        kind = Normalization.parse(normalization or config.normalization, arg_name="normalization")
+        super().__init__(hidden_size, eps, kind)
+
+
+def _zero_centred(spec):
+    """``spec`` (a megatron-core ModuleSpec / submodules dataclass tree) with every
+    torch/apex norm class replaced by ``ZeroCenteredMcoreNorm``; copies, never edits,
+    megatron-core's spec objects."""
+    from megatron.core.fusions.fused_layer_norm import FusedLayerNorm
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    if spec in (WrappedTorchNorm, FusedLayerNorm):
+        return ZeroCenteredMcoreNorm
+    if isinstance(spec, list):
+        return [_zero_centred(s) for s in spec]
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        return dataclasses.replace(spec, **{f.name: _zero_centred(getattr(spec, f.name))
+                                            for f in dataclasses.fields(spec) if f.init})
+    return spec
+
+
+def _decoder_spec(cfg: GPTConfig, config):
+    """The decoder spec Megatron-LM's ``gpt_builder`` picks with ``--transformer-impl
+    local``: ``get_gpt_decoder_block_spec`` for an MoE model (megatron-core lays out
+    dense and MoE layers per ``config.moe_layer_freq``), the local layer spec
+    otherwise; zero-centred norms swapped in for ``apply_layernorm_1p``."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    normalization = cfg.normalization.value
+    if cfg.num_moe_experts is not None:
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=normalization)
+    else:
+        spec = get_gpt_layer_local_spec(qk_layernorm=cfg.qk_layernorm, normalization=normalization,
+                                        multi_latent_attention=cfg.multi_latent_attention)
+    if cfg.multi_latent_attention:
+        from .mcore_mla import with_mla_core_attention
+
+        spec = with_mla_core_attention(spec)
+    if not cfg.apply_layernorm_1p:
+        return spec
+    if not isinstance(spec, TransformerBlockSubmodules):
+        # What TransformerBlock would derive from a layer spec, with the final norm explicit.
+        spec = TransformerBlockSubmodules(layer_specs=[spec] * cfg.num_layers, layer_norm=WrappedTorchNorm)
+    return _zero_centred(spec)
 
 
 def mcore_args(cfg: GPTConfig, *, seed: int = 1234, params_dtype: torch.dtype = torch.float32) -> argparse.Namespace:
@@ -57,6 +124,15 @@ def mcore_args(cfg: GPTConfig, *, seed: int = 1234, params_dtype: torch.dtype = 
         rotary_percent=cfg.rotary_percent, seed=seed,
         bf16=params_dtype is torch.bfloat16, fp16=params_dtype is torch.float16,
     )
+
+
+def _mcore_balancing_type(cfg: GPTConfig) -> str:
+    """megatron-core's type string: sinkhorn as is (it takes no coefficient), a loss type
+    only with a positive coefficient (its aux-loss types with 0 add nothing either)."""
+    balancing = cfg.moe_router_load_balancing_type
+    if balancing is MoELoadBalancing.SINKHORN or cfg.moe_aux_loss_coeff > 0:
+        return balancing.value
+    return "none"
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -82,10 +158,23 @@ def _transformer_config(cfg: GPTConfig, args: argparse.Namespace, *, cross_entro
                        moe_router_pre_softmax=cfg.moe_router_pre_softmax, moe_token_dispatcher_type="allgather",
                        moe_router_topk_scaling_factor=cfg.moe_router_topk_scaling_factor,
                        moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size,
-                       moe_router_load_balancing_type=(cfg.moe_router_load_balancing_type.value
-                                                       if cfg.moe_aux_loss_coeff > 0 else "none"),
-                       moe_router_dtype=cfg.moe_router_dtype.value if cfg.moe_router_dtype is not None else None)
+                       moe_router_load_balancing_type=_mcore_balancing_type(cfg),
+                       moe_router_score_function=cfg.moe_router_score_function.value,
+                       moe_router_enable_expert_bias=cfg.moe_router_enable_expert_bias,
+                       moe_router_bias_update_rate=cfg.moe_router_bias_update_rate,
+                       moe_router_num_groups=cfg.moe_router_num_groups,
+                       moe_router_group_topk=cfg.moe_router_group_topk,
+                       moe_router_dtype=cfg.moe_router_dtype.value if cfg.moe_router_dtype is not None else None,
+                       moe_layer_freq=cfg.moe_layer_freq)
+    if cfg.qk_layernorm:
+        changes["qk_layernorm"] = True  # read by get_gpt_decoder_block_spec (Megatron-LM: --qk-layernorm)
+    if cfg.apply_layernorm_1p:
+        changes["layernorm_zero_centered_gamma"] = True  # Megatron-LM: --apply-layernorm-1p
     config = transformer_config_from_args(args)
+    if cfg.multi_latent_attention:
+        from .mcore_mla import mla_transformer_config
+
+        return mla_transformer_config(config, cfg, changes)
     # replace() re-runs TransformerConfig's validation with the added fields.
     return dataclasses.replace(config, **changes) if changes else config
 
@@ -114,17 +203,14 @@ def build_mcore_gpt(cfg: GPTConfig, *, seed: int = 1234, params_dtype: torch.dty
             "if you bridge those calls yourself (as tests/mcore_cpu_shim.py does)")
     from megatron.core import tensor_parallel
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     ensure_model_parallel_initialized()
     args = mcore_args(cfg, seed=seed, params_dtype=params_dtype)
     config = _transformer_config(cfg, args, cross_entropy_loss_fusion=cross_entropy_loss_fusion)
     if device.cuda_available() and not tensor_parallel.get_cuda_rng_tracker().is_initialized():
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
-    spec = get_gpt_layer_local_spec(num_experts=cfg.num_moe_experts, qk_layernorm=cfg.qk_layernorm,
-                                    normalization=cfg.normalization.value)
     return GPTModel(
-        config=config, transformer_layer_spec=spec, vocab_size=cfg.vocab_size, max_sequence_length=cfg.seq_length,
+        config=config, transformer_layer_spec=_decoder_spec(cfg, config), vocab_size=cfg.vocab_size, max_sequence_length=cfg.seq_length,
         pre_process=True, post_process=True, parallel_output=True,
         share_embeddings_and_output_weights=not cfg.untie_embeddings_and_output_weights,
         position_embedding_type=cfg.position_embedding_type.value, rotary_percent=cfg.rotary_percent,
@@ -151,6 +237,10 @@ _LAYER_NAMES = {  # ours (inside blocks.i.) -> megatron-core's (inside decoder.l
 }
 
 
+_MLA_NAMES = {f"attn.{n}" for n in ("linear_q_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj",
+                                     "linear_kv_up_proj", "kv_layernorm")}
+
+
 def _mcore_name(name: str) -> str:
     top = {"wte.weight": "embedding.word_embeddings.weight", "wpe.weight": "embedding.position_embeddings.weight",
            "lm_head.weight": "output_layer.weight"}
@@ -164,6 +254,8 @@ def _mcore_name(name: str) -> str:
         linear = {"fc": "linear_fc1", "proj": "linear_fc2"}[module]
         return f"decoder.layers.{index}.mlp.experts.local_experts.{expert}.{linear}.{leaf}"
     module, leaf = rest.rsplit(".", 1)
+    if module in _MLA_NAMES:  # MultiLatentAttention's own names are megatron-core's
+        return f"decoder.layers.{index}.self_attention.{module[len('attn.'):]}.{leaf}"
     if module == "attn.qkv":
         return f"decoder.layers.{index}.self_attention.linear_qkv.{leaf}"
     return f"decoder.layers.{index}.{_LAYER_NAMES[module]}.{leaf}"
@@ -219,8 +311,8 @@ class McoreBalancingLoss:
 
 
 def balancing_loss_reader(cfg: GPTConfig) -> "McoreBalancingLoss | None":
-    """The reader for an MoE ``cfg`` (every layer MoE: see ``mcore_unsupported``);
-    ``None`` for a dense model."""
+    """The reader for an MoE ``cfg``, averaging over its MoE layers (as Megatron-LM's
+    ``track_moe_metrics`` with ``moe_layer_freq``); ``None`` for a dense model."""
     if cfg.num_moe_experts is None:
         return None
-    return McoreBalancingLoss(cfg.num_layers, cfg.moe_router_load_balancing_type.log_name)
+    return McoreBalancingLoss(sum(cfg.moe_layer_pattern), cfg.moe_router_load_balancing_type.log_name)

@@ -1,6 +1,6 @@
-"""Mixture of experts: a top-k router over MLP experts, with the switch-transformer
-load-balancing loss, following Megatron-core's ``TopKRouter`` / ``MoELayer``
-semantics (dropless, softmax score function, ``aux_loss`` balancing).
+"""Mixture of experts: top-k routed MLP experts with megatron-core's ``MoELayer``
+semantics (dropless). The router -- gating, score functions, group-limited routing,
+expert bias, Sinkhorn, balancing losses -- lives in ``router.py``.
 
 [Note: expert parameters] Every expert's parameters carry Megatron's mark
 ``param.allreduce = False``. megatron_fsdp reads that mark
@@ -39,13 +39,21 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from ..marks import is_expert_param
-from .config import GPTConfig, MoELoadBalancing, RouterDtype
+from .config import GPTConfig, MoELoadBalancing, ScoreFunction
 from .layers import MLP
-
-_ROUTER_DTYPES = {RouterDtype.FP32: torch.float32, RouterDtype.FP64: torch.float64}
+from .router import (  # noqa: F401  (re-exported: the routing API's former home)
+    TopKRouter,
+    balancing_scores,
+    expert_counts,
+    route,
+    sequence_load_balancing_loss,
+    sequence_loss,
+    sinkhorn_route,
+    switch_load_balancing_loss,
+    switch_loss,
+)
 
 
 def mark_expert_parameters(module: nn.Module) -> None:
@@ -67,54 +75,6 @@ def expert_device_mesh(device_type: str):
     return build_default_mesh(device_type)
 
 
-def route(logits: torch.Tensor, topk: int, pre_softmax: bool = False,
-          scaling_factor: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits (n, E) -> probs (n, k), expert indices (n, k).
-
-    Megatron's default: pick the k largest logits, softmax over those k (each token's
-    weights sum to 1). ``pre_softmax``: softmax over all E, then pick the k largest
-    probabilities without renormalising. The choice is made in the logits' dtype (the
-    router dtype); softmax and ``scaling_factor`` in fp32, then probs in the logits'
-    dtype -- Megatron-core's order, so a bf16 router rounds the scaled weight once."""
-    if pre_softmax:
-        probs, indices = torch.softmax(logits, dim=-1, dtype=torch.float32).topk(topk, dim=-1)
-    else:
-        top_logits, indices = logits.topk(topk, dim=-1)
-        probs = torch.softmax(top_logits, dim=-1, dtype=torch.float32)
-    if scaling_factor is not None:
-        probs = probs * scaling_factor
-    return probs.type_as(logits), indices
-
-
-def switch_load_balancing_loss(logits: torch.Tensor, indices: torch.Tensor, coeff: float) -> torch.Tensor:
-    """Switch-transformer balancing loss of one layer on the tokens of one forward:
-
-        coeff * E * sum_i f_i * P_i,  f_i = (tokens routed to i) / (T * k),  P_i = mean_x softmax(logits_x)_i
-
-    (Megatron-core's ``switch_load_balancing_loss_func``). It is 1 * coeff when
-    routing is uniform and grows as tokens pile onto few experts. Only P carries a
-    gradient (the counts are not differentiable)."""
-    return sequence_load_balancing_loss(logits, indices, coeff, num_sequences=1)
-
-
-def sequence_load_balancing_loss(logits: torch.Tensor, indices: torch.Tensor, coeff: float,
-                                 num_sequences: int) -> torch.Tensor:
-    """``--moe-router-load-balancing-type seq_aux_loss``: the Switch loss of each
-    sequence's tokens on their own (counts and mean scores per sequence), averaged over
-    the sequences -- what Megatron-core gets by folding the batch into the expert axis
-    (one sequence: ``switch_load_balancing_loss``).
-    ``logits`` (b * t, E) in batch-major token order (b sequences of t tokens)."""
-    num_tokens, num_experts = logits.shape
-    topk = indices.shape[-1]
-    length = num_tokens // num_sequences
-    scores = torch.softmax(logits, dim=-1, dtype=torch.float32).view(num_sequences, length, num_experts)
-    picks = indices.reshape(num_sequences, length * topk)
-    counts = torch.zeros(num_sequences, num_experts, dtype=scores.dtype, device=scores.device)
-    counts.scatter_add_(1, picks, torch.ones_like(picks, dtype=scores.dtype))  # (b, E)
-    scale = num_experts * coeff / (topk * length * length)
-    return (scores.sum(dim=1) * counts).sum() * scale / num_sequences
-
-
 class _AttachAuxLoss(torch.autograd.Function):
     """Identity on ``activation``; in backward, ``scale`` is the aux loss's gradient.
     See [Note: attaching the aux loss]."""
@@ -131,34 +91,6 @@ class _AttachAuxLoss(torch.autograd.Function):
         return grad_output, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
 
 
-class TopKRouter(nn.Module):
-    """Scores every token against every expert: logits = x W^T + b, W ~ N(0, std), in
-    ``cfg.moe_router_dtype`` when set (see [Note: router dtype]). As Megatron-core's
-    router, it has a bias exactly when the model's linear layers do
-    (``add_bias_linear``), drawn from the same N(0, std) as the weight, not zeroed."""
-
-    def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__()
-        self.std = cfg.init_method_std
-        self.router_dtype: torch.dtype | None = _ROUTER_DTYPES.get(cfg.moe_router_dtype)
-        """Dtype of the gating GEMM and of everything routed from its logits; None: the tokens'."""
-        self.weight = nn.Parameter(torch.empty(cfg.num_moe_experts, cfg.hidden_size))  # (E, hidden)
-        self.bias = nn.Parameter(torch.empty(cfg.num_moe_experts)) if cfg.add_bias_linear else None  # (E,)
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        nn.init.normal_(self.weight, mean=0.0, std=self.std)
-        if self.bias is not None:
-            nn.init.normal_(self.bias, mean=0.0, std=self.std)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        if self.router_dtype is None:
-            return F.linear(tokens, self.weight, self.bias)  # (n, hidden) -> (n, E), the tokens' compute dtype
-        bias = None if self.bias is None else self.bias.to(self.router_dtype)
-        with torch.autocast(device_type=tokens.device.type, enabled=False):
-            return F.linear(tokens.to(self.router_dtype), self.weight.to(self.router_dtype), bias)  # (n, E)
-
-
 class MoELayer(nn.Module):
     """Replaces a block's MLP: each token goes to its top-k experts and comes back as
     the probability-weighted sum of their outputs. Dropless (no capacity limit)."""
@@ -167,6 +99,8 @@ class MoELayer(nn.Module):
         super().__init__()
         self.topk = cfg.moe_router_topk
         self.pre_softmax = cfg.moe_router_pre_softmax
+        self.score_function: ScoreFunction = cfg.moe_router_score_function
+        self.num_groups, self.group_topk = cfg.moe_router_num_groups, cfg.moe_router_group_topk
         self.balancing = cfg.moe_router_load_balancing_type
         # Megatron-core computes no balancing loss for type "none", whatever the coefficient.
         self.aux_loss_coeff = 0.0 if self.balancing is MoELoadBalancing.NONE else cfg.moe_aux_loss_coeff
@@ -182,10 +116,18 @@ class MoELayer(nn.Module):
         self.last_aux_loss: torch.Tensor | None = None
         """This layer's aux loss of the latest training forward, detached (for logging)."""
 
+    def routing(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits (n, E) -> routing weights (n, k), expert indices (n, k), per the config."""
+        if self.balancing is MoELoadBalancing.SINKHORN:
+            return sinkhorn_route(logits, self.topk, self.training)
+        return route(logits, self.topk, self.pre_softmax, self.scaling_factor, score_function=self.score_function,
+                     expert_bias=self.router.expert_bias, num_groups=self.num_groups, group_topk=self.group_topk)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])  # (n, hidden), n = b * t
         logits = self.router(tokens)  # (n, E), in the router dtype
-        probs, indices = route(logits, self.topk, self.pre_softmax, self.scaling_factor)  # (n, k), (n, k)
+        probs, indices = self.routing(logits)  # (n, k), (n, k)
+        self.router.count_routed(indices)  # expert bias: tokens per expert of training forwards
         out = None
         for e, expert in enumerate(self.experts):
             # Every expert runs, on zero tokens if need be: its gradient is then an
@@ -199,10 +141,19 @@ class MoELayer(nn.Module):
             out = out + self.shared_experts(tokens)
         out = out.view_as(x)  # (b, t, hidden)
         if self.aux_loss_coeff > 0 and self.training and torch.is_grad_enabled():
-            if self.balancing is MoELoadBalancing.SEQ_AUX_LOSS:
-                aux_loss = sequence_load_balancing_loss(logits, indices, self.aux_loss_coeff, x.shape[0])
-            else:
-                aux_loss = switch_load_balancing_loss(logits, indices, self.aux_loss_coeff)
+            aux_loss = self._balancing_loss(logits, x.shape[0])
             self.last_aux_loss = aux_loss.detach()
             out = _AttachAuxLoss.apply(out, aux_loss, self.aux_loss_scale)
         return out
+
+    def _balancing_loss(self, logits: torch.Tensor, num_sequences: int) -> torch.Tensor:
+        """The configured balancing loss. As megatron-core, its top-k is taken on the
+        balancing scores over all experts (no expert bias, no group limit), not the routing's."""
+        scores = balancing_scores(logits, self.score_function)  # (n, E), fp32
+        indices = scores.topk(self.topk, dim=-1).indices  # (n, k)
+        if self.balancing is MoELoadBalancing.GLOBAL_AUX_LOSS:
+            return self.router.global_load_balancing_loss(scores, indices, self.aux_loss_coeff)
+        if self.balancing is MoELoadBalancing.SEQ_AUX_LOSS:
+            return sequence_loss(scores, indices, self.aux_loss_coeff, num_sequences)
+        counts = expert_counts(indices, scores.shape[-1])
+        return switch_loss(scores, counts, scores.shape[0], self.topk, self.aux_loss_coeff)
