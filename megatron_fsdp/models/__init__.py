@@ -12,6 +12,7 @@ from .config import (
     PositionEmbeddingType,
     RecomputeGranularity,
     RecomputeMethod,
+    RopeType,
     RouterDtype,
     vocab_size_with_padding,
 )
@@ -27,6 +28,7 @@ __all__ = [
     "PositionEmbeddingType",
     "RecomputeGranularity",
     "RecomputeMethod",
+    "RopeType",
     "RouterDtype",
     "TransformerBlock",
     "expert_device_mesh",

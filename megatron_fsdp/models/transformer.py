@@ -13,6 +13,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .config import GPTConfig, PositionEmbeddingType, RecomputeGranularity
 from .layers import MLP, InitLinear, build_norm, scaled_init_std
+from .mla import MultiLatentAttention
 from .moe import MoELayer
 from .rope import apply_rope, rope_angles
 
@@ -76,7 +77,7 @@ class TransformerBlock(nn.Module):
     def __init__(self, cfg: GPTConfig, layer_number: int = 0) -> None:
         super().__init__()
         self.ln_1 = build_norm(cfg, cfg.hidden_size)
-        self.attn = CausalSelfAttention(cfg)
+        self.attn = MultiLatentAttention(cfg) if cfg.multi_latent_attention else CausalSelfAttention(cfg)
         self.ln_2 = build_norm(cfg, cfg.hidden_size)
         self.mlp = MoELayer(cfg) if cfg.is_moe_layer(layer_number) else MLP(cfg)
         self.hidden_dropout = cfg.hidden_dropout

@@ -135,7 +135,25 @@ MODEL_FLAG_FIELDS = (
     ModelFlag("moe_router_topk_scaling_factor", "moe_router_topk_scaling_factor", None),
     ModelFlag("moe_shared_expert_intermediate_size", "moe_shared_expert_intermediate_size", None),
     ModelFlag("moe_router_dtype", "moe_router_dtype", None),
+    ModelFlag("moe_router_score_function", "moe_router_score_function", "softmax"),
+    ModelFlag("moe_router_enable_expert_bias", "moe_router_enable_expert_bias", False),
+    ModelFlag("moe_router_bias_update_rate", "moe_router_bias_update_rate", 1e-3),
+    ModelFlag("moe_router_num_groups", "moe_router_num_groups", None),
+    ModelFlag("moe_router_group_topk", "moe_router_group_topk", None),
+    ModelFlag("multi_latent_attention", "multi_latent_attention", False),
+    ModelFlag("q_lora_rank", "q_lora_rank", None),
+    ModelFlag("kv_lora_rank", "kv_lora_rank", 32),
+    ModelFlag("qk_head_dim", "qk_head_dim", 128),
+    ModelFlag("qk_pos_emb_head_dim", "qk_pos_emb_head_dim", 64),
+    ModelFlag("v_head_dim", "v_head_dim", 128),
+    ModelFlag("rope_type", "rope_type", None),
+    ModelFlag("rotary_scaling_factor", "rotary_scaling_factor", 1.0),
+    ModelFlag("mscale", "mscale", 1.0),
+    ModelFlag("mscale_all_dim", "mscale_all_dim", 0.0),
 )
+# Read by multi-latent attention only: without it any value is the baseline.
+_MLA_ONLY_DESTS = {"q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rope_type",
+                   "rotary_scaling_factor", "mscale", "mscale_all_dim"}
 # Older GPTConfig spellings of the same settings.
 _LEGACY_FIELDS = {"untie_embeddings_and_output_weights": ("tie_embeddings", lambda v: not v),
                   "recompute_granularity": ("recompute", lambda v: v == "full")}
@@ -155,8 +173,12 @@ def _baseline_ok(flag: ModelFlag, args) -> bool:
         return args.position_embedding_type != "rope" or value == flag.baseline
     if flag.dest in ("moe_router_topk", "moe_ffn_hidden_size", "moe_aux_loss_coeff", "moe_router_pre_softmax",
                      "moe_layer_freq", "moe_router_topk_scaling_factor", "moe_shared_expert_intermediate_size",
-                     "moe_router_dtype", "moe_router_load_balancing_type"):
+                     "moe_router_dtype", "moe_router_load_balancing_type", "moe_router_score_function",
+                     "moe_router_enable_expert_bias", "moe_router_bias_update_rate", "moe_router_num_groups",
+                     "moe_router_group_topk"):
         return args.num_experts is None or value == flag.baseline
+    if flag.dest in _MLA_ONLY_DESTS:
+        return not args.multi_latent_attention or value == flag.baseline
     if isinstance(value, list):
         value = value[0]
     return value == flag.baseline

@@ -41,15 +41,18 @@ class TrainState:
     """Validation samples evaluated so far: as Megatron-LM, each evaluation reads the
     next ``--eval-iters`` global batches of the validation split, not the first ones again."""
     floating_point_operations_so_far: float = 0.0
+    skipped_train_samples: int = 0
+    """Samples of ramped global batches left out by ``--decrease-batch-size-if-needed``
+    (Megatron-LM's ``skipped_train_samples``)."""
 
     def state_dict(self) -> dict:
         return dataclasses.asdict(self)
 
     def load_state_dict(self, state: dict) -> None:
         for field in dataclasses.fields(self):
-            if field.name == "consumed_valid_samples":
-                # Checkpoints written before this field existed: 0, as Megatron-LM reads a
-                # checkpoint without it.
+            if field.name in ("consumed_valid_samples", "skipped_train_samples"):
+                # Checkpoints written before these fields existed: 0, as Megatron-LM reads a
+                # checkpoint without them.
                 setattr(self, field.name, state.get(field.name, 0))
             else:
                 setattr(self, field.name, state[field.name])
@@ -264,7 +267,8 @@ def train_step(ctx: StepContext, state: TrainState, source: SampleSource) -> Ste
     else:
         with ctx.timers.time("optimizer"):
             bundle.optimizer.step()
-        ctx.schedule.step()  # Megatron-LM: the schedule only advances on applied updates
+        # Megatron-LM: the schedule only advances on applied updates, by the samples trained on.
+        ctx.schedule.step(ctx.layout.global_batch_size)
     params_norm = params_l2_norm(params) if ctx.log_params_norm else None
     state.iteration += 1
     state.consumed_train_samples += ctx.layout.global_batch_size

@@ -15,11 +15,12 @@ import dataclasses
 import importlib.util
 import math
 import os
+import re
 
 from .. import device as device_mod
 from ..enums import ShardingStrategy
 from ..models.config import megatron_swiglu_ffn_hidden_size
-from . import determinism, tokenizers
+from . import determinism, mla_flags, tokenizers
 from .arg_types import BYTE_VOCAB_SIZE, DataParallelPath, LRDecayStyle, Precision, TokenizerType
 from .flag_table import FlagSpec, FlagStatus
 
@@ -56,8 +57,8 @@ def flag_policy(args: argparse.Namespace, given: dict[str, FlagSpec]) -> tuple[l
 
 def collect_problems(args: argparse.Namespace, world_size: int) -> list[str]:
     problems: list[str] = []
-    for rule in (_required, _model_shape, _model_features, _recompute, _batch, _schedule, _data_parallel,
-                 _megatron_fsdp, _precision, _determinism, _data, _io, _optional_packages):
+    for rule in (_required, _model_shape, _model_features, _multi_latent_attention, _recompute, _batch, _batch_rampup, _schedule,
+                 _data_parallel, _megatron_fsdp, _precision, _determinism, _data, _io, _optional_packages):
         problems += rule(args, world_size)
     return problems
 
@@ -117,29 +118,63 @@ def _model_shape(args, world_size) -> list[str]:
     return problems
 
 
+_LAYER_PATTERN_CHARS = frozenset("0123456789,[]()+*")
+"""What Megatron-LM's ``_eval_pattern`` lets through to ``eval`` (no spaces, no names)."""
+
+
 def parse_layer_freq(text) -> "int | list[int]":
-    """Megatron-LM's ``--moe-layer-freq``: an int N (every N-th layer), or a Python
-    list expression of 0/1 such as ``[0]*3+[1]*5`` (read safely, never eval'd)."""
+    """Megatron-LM's ``--moe-layer-freq`` (its ``moe_freq_type``): text without ``[`` is
+    an int N (layer i is MoE when i % N == 0); text with ``[`` is a Python list
+    expression of digits, ``,[]()+*`` only, such as ``([0]+[1]*23)``, here read by
+    walking its syntax tree instead of Megatron-LM's ``eval``. Raises ``ValueError``
+    naming what is wrong; per-layer checks (length, 0/1, N > 0) are ``layer_freq_problem``'s."""
     import ast
 
     def value(node):
         match node:
-            case ast.Constant(value=int() as v):
+            case ast.Constant(value=int() as v) if not isinstance(v, bool):
                 return v
-            case ast.List(elts=elts):
-                return [value(e) for e in elts]
+            case ast.List(elts=elts) | ast.Tuple(elts=elts):
+                items = [value(e) for e in elts]
+                return items if isinstance(node, ast.List) else tuple(items)
             case ast.BinOp(left=left, op=ast.Mult(), right=right):
                 return value(left) * value(right)
             case ast.BinOp(left=left, op=ast.Add(), right=right):
                 return value(left) + value(right)
-        raise ValueError(ast.dump(node))
+        raise ValueError(f"unsupported expression {ast.unparse(node)!r}")
 
-    if isinstance(text, int):
+    if isinstance(text, int) and not isinstance(text, bool):
         return text
-    result = value(ast.parse(str(text).strip().strip("'\""), mode="eval").body)
-    if isinstance(result, list) and any(v not in (0, 1) for v in result):
-        raise ValueError(text)
+    if isinstance(text, list):
+        return text
+    text = str(text).strip().strip("'\"")
+    if "[" not in text:
+        return int(text)  # Megatron-LM: int(x); a ValueError for anything else
+    bad = sorted(set(text) - _LAYER_PATTERN_CHARS)
+    if bad:
+        raise ValueError(f"the characters {''.join(bad)!r} are not allowed (Megatron-LM accepts digits and ,[]()+* "
+                         "only; write it without spaces)")
+    try:
+        result = value(ast.parse(text, mode="eval").body)
+    except SyntaxError as exc:
+        raise ValueError(f"not a Python list expression ({exc.msg})") from None
+    if not isinstance(result, list):
+        raise ValueError(f"evaluates to {result!r}, not a list")
     return result
+
+
+def layer_freq_problem(freq, num_layers: int) -> "str | None":
+    """Why megatron-core's ``get_gpt_decoder_layer_specs`` would fail on ``freq`` (parsed
+    ``--moe-layer-freq``) for ``num_layers`` layers, or None: a list needs one 0 or 1 per
+    layer; an int must be positive (Megatron-LM divides by it: 0 crashes, and a negative
+    N would silently act as -N)."""
+    if isinstance(freq, int):
+        return None if freq > 0 else f"must be a positive integer N (every N-th layer is MoE), got {freq}"
+    if any(isinstance(v, bool) or v not in (0, 1) for v in freq):
+        return f"must hold only 0 (dense) and 1 (MoE), got {freq}"
+    if len(freq) != num_layers:
+        return f"has {len(freq)} entries for --num-layers={num_layers}; give one 0/1 per layer"
+    return None
 
 
 def _model_features(args, world_size) -> list[str]:
@@ -155,12 +190,14 @@ def _model_features(args, world_size) -> list[str]:
                             f"{args.num_experts}]")
     try:
         freq = parse_layer_freq(args.moe_layer_freq)
-        if isinstance(freq, list) and args.num_layers is not None and len(freq) != args.num_layers:
-            problems.append(f"--moe-layer-freq {args.moe_layer_freq} has {len(freq)} entries for --num-layers="
-                            f"{args.num_layers}; give one 0/1 per layer")
-    except (ValueError, SyntaxError):
-        problems.append(f"--moe-layer-freq {args.moe_layer_freq!r} must be an integer or a 0/1 list expression "
-                        "such as [0]*3+[1]*5")
+    except ValueError as exc:
+        problems.append(f"--moe-layer-freq {args.moe_layer_freq!r} is neither an integer nor a list expression "
+                        f"({exc}); write e.g. 2 (every other layer MoE) or ([0]+[1]*23) (Megatron-LM's syntax)")
+    else:
+        # Megatron-LM reads it only for --num-experts models (megatron-core's block spec).
+        why = layer_freq_problem(freq, args.num_layers) if args.num_experts is not None and args.num_layers else None
+        if why:
+            problems.append(f"--moe-layer-freq {args.moe_layer_freq} {why}")
     if args.num_experts is not None and args.num_distributed_optimizer_instances > 1:
         problems.append("--num-experts with --num-distributed-optimizer-instances > 1 (MoE with HSDP) is not "
                         "wired in this launcher; use one optimizer instance")
@@ -172,6 +209,8 @@ def _model_features(args, world_size) -> list[str]:
     if len(coeffs) > 1:
         problems.append(f"--moe-aux-loss-coeff {' '.join(map(str, coeffs))}: one coefficient per load-balancing "
                         "type is not implemented here; pass one value")
+    if args.num_experts is not None and args.num_experts > 0 and not problems:
+        problems += _moe_router_problems(args)
     if args.use_mcore_models:
         return problems + _mcore_model_problems(args)
     from .model_setup import missing_model_fields
@@ -182,20 +221,41 @@ def _model_features(args, world_size) -> list[str]:
     return problems
 
 
-def _mcore_model_problems(args) -> list[str]:
-    """What megatron-core's local layer spec cannot build (``models.mcore.mcore_unsupported``)."""
-    problems = []
-    if args.layernorm_zero_centered_gamma:
-        problems.append("--apply-layernorm-1p with --use-mcore-models: megatron-core's local layer spec has no "
-                        "zero-centred norms (TransformerEngine's do); drop one of the two")
+def _moe_router_problems(args) -> list[str]:
+    """megatron-core's router rules (``GPTConfig._check_router``, which mirrors its
+    TransformerConfig) on the router flags, at parse time, in flag names."""
+    from ..models.config import GPTConfig
+
+    first = lambda v: v[0] if isinstance(v, list) else v  # noqa: E731  (nargs="+", one value checked above)
     try:
-        freq = parse_layer_freq(args.moe_layer_freq)
-    except (ValueError, SyntaxError):
-        freq = 1  # reported by _model_features
-    if args.num_experts is not None and freq not in (1, [1] * (args.num_layers or 0)):
-        problems.append(f"--moe-layer-freq {args.moe_layer_freq} with --use-mcore-models: only every layer MoE is "
-                        "mapped onto megatron-core's model here; use --moe-layer-freq 1 or the embedded GPT")
+        GPTConfig(num_moe_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
+                  moe_aux_loss_coeff=first(args.moe_aux_loss_coeff),
+                  moe_router_load_balancing_type=first(args.moe_router_load_balancing_type),
+                  moe_router_pre_softmax=args.moe_router_pre_softmax,
+                  moe_router_topk_scaling_factor=args.moe_router_topk_scaling_factor,
+                  moe_router_score_function=args.moe_router_score_function,
+                  moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
+                  moe_router_bias_update_rate=args.moe_router_bias_update_rate,
+                  moe_router_num_groups=args.moe_router_num_groups, moe_router_group_topk=args.moe_router_group_topk)
+    except ValueError as exc:
+        return [re.sub(r"\bmoe_[a-z_]+", lambda m: "--" + m.group(0).replace("_", "-"), str(exc))]
+    return []
+
+
+def _mcore_model_problems(args) -> list[str]:
+    """What Megatron-LM itself cannot build for ``--use-mcore-models`` (see
+    [Note: zero-centred norms in megatron-core] in models/mcore.py)."""
+    problems = []
+    if args.layernorm_zero_centered_gamma and args.transformer_impl == "local" and args.normalization == "RMSNorm":
+        problems.append("--apply-layernorm-1p with --normalization RMSNorm and --transformer-impl local: Megatron-LM's "
+                        "local spec builds RMSNorm from torch (WrappedTorchNorm), which refuses zero-centred gamma; "
+                        "use --transformer-impl transformer_engine (Megatron-LM's default, whose TENorm has it), "
+                        "LayerNorm, or drop --apply-layernorm-1p")
     return problems
+
+
+def _multi_latent_attention(args, world_size) -> list[str]:
+    return mla_flags.mla_problems(args)
 
 
 def _recompute(args, world_size) -> list[str]:
@@ -240,6 +300,13 @@ def _batch(args, world_size) -> list[str]:
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             problems.append(f"--{name.replace('_', '-')}={getattr(args, name)} must be positive")
     return problems
+
+
+def _batch_rampup(args, world_size) -> list[str]:
+    """--rampup-batch-size / --decrease-batch-size-if-needed (microbatches.py)."""
+    from .microbatches import batch_problems
+
+    return batch_problems(args, world_size)
 
 
 def _schedule(args, world_size) -> list[str]:
@@ -474,8 +541,11 @@ def derive_fields(args: argparse.Namespace, world_size: int) -> None:
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * world_size
     args.num_microbatches = args.global_batch_size // (args.micro_batch_size * world_size)
-    if args.train_samples is not None:  # Megatron-LM: constant batch size -> whole iterations
-        args.train_iters = args.train_samples // args.global_batch_size
+    from .microbatches import BatchSchedule
+
+    args.batch_schedule = BatchSchedule.from_args(args, world_size)
+    if args.train_samples is not None:  # Megatron-LM's update_train_iters (whole batches, ramp-up included)
+        args.train_iters = args.batch_schedule.train_iters(args.train_samples)
     args.schedule = derive_schedule(args)
     if args.schedule.warmup_steps and args.schedule.warmup_steps >= args.schedule.decay_steps:
         raise_problem(f"the warmup ({args.schedule.warmup_steps} {args.schedule.unit}) must end before the decay "
@@ -493,6 +563,7 @@ def derive_fields(args: argparse.Namespace, world_size: int) -> None:
         args.kv_channels = args.hidden_size // args.num_attention_heads
     if not args.group_query_attention:
         args.num_query_groups = args.num_attention_heads
+    warnings += mla_flags.mla_warnings(args)
     if args.recompute_activations:  # Megatron-LM's alias
         args.recompute_granularity = "selective"
     if args.recompute_granularity is None and (args.recompute_method or args.recompute_num_layers):
