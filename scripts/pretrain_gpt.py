@@ -18,6 +18,7 @@ scaling (or ``--loss-scale`` for a constant one).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import os
@@ -92,6 +93,11 @@ def describe_run(args, device: torch.device, num_parameters: int) -> None:
     logger.info("> data: %s (%s), global batch %d = micro batch %d x %d micro batches x %d ranks",
                 data, args.tokenizer_type, args.global_batch_size, args.micro_batch_size,
                 args.num_microbatches, args.data_parallel_size)
+    ramp = args.batch_schedule.rampup
+    if ramp is not None:
+        logger.info("> batch size rampup from global batch size %d to %d in increments of %d over %d samples "
+                    "(%d iterations in all)", ramp.start, args.global_batch_size, ramp.increment, ramp.ramp_samples,
+                    args.train_iters)
 
 
 def checkpoint_extra_state(ctx: StepContext, state: TrainState) -> dict:
@@ -127,7 +133,10 @@ def maybe_evaluate(args, ctx, state, valid_src, metrics, dash) -> None:
     split (each evaluation moves on; the position is checkpointed with the progress)."""
     if valid_src is None or args.eval_iters == 0:
         return
-    loss = evaluate(ctx, valid_src, args.eval_iters, state.consumed_valid_samples)
+    # Evaluation batches are --global-batch-size whatever the ramp-up is at (Megatron-LM's
+    # evaluation batch size defaults to it).
+    full = dataclasses.replace(ctx.layout, num_microbatches=args.num_microbatches)
+    loss = evaluate(dataclasses.replace(ctx, layout=full), valid_src, args.eval_iters, state.consumed_valid_samples)
     state.consumed_valid_samples += args.eval_iters * args.global_batch_size
     log_validation(state.iteration, loss)
     metrics.validation.append((state.iteration, loss))
@@ -157,15 +166,17 @@ class Saver:
             self.async_saver.finalize()
 
 
-def log_iteration(args, ctx, state, result, stats, flops, dash) -> None:
+def log_iteration(args, ctx, state, result, stats, interval_flops, dash) -> None:
+    """``interval_flops``: the FLOPs of the iterations ``stats`` covers (their batches may
+    differ under --rampup-batch-size)."""
     throughput = None
     if args.log_throughput:
-        throughput = flops * stats.iterations / max(stats.elapsed_s, 1e-9) / args.world_size / 1e12
+        throughput = interval_flops / max(stats.elapsed_s, 1e-9) / args.world_size / 1e12
     logger.info(format_iteration_line(
         iteration=state.iteration, train_iters=args.train_iters, consumed_samples=state.consumed_train_samples,
         stats=stats, throughput=throughput, learning_rate=result.learning_rate,
-        global_batch_size=args.global_batch_size, loss_scale=result.loss_scale, grad_norm=result.grad_norm,
-        num_zeros=result.num_zeros, params_norm=result.params_norm))
+        global_batch_size=ctx.layout.global_batch_size, loss_scale=result.loss_scale, grad_norm=result.grad_norm,
+        num_zeros=result.num_zeros, params_norm=result.params_norm, skipped_samples=state.skipped_train_samples))
     first = stats.iterations == 1 and state.iteration % args.log_interval != 0
     if args.log_timers_to_tensorboard and not first:
         dash.add_scalar("iteration-time", stats.elapsed_s / max(stats.iterations, 1), state.iteration)
@@ -180,6 +191,23 @@ def log_iteration(args, ctx, state, result, stats, flops, dash) -> None:
         logger.info(report)
 
 
+def next_batch(args, ctx: StepContext, state: TrainState, saver: "Saver"):
+    """The coming iteration's batch (Megatron-LM's ``update_num_microbatches``): with
+    --rampup-batch-size the micro batches per rank follow the consumed samples, and
+    when their number changes Megatron-LM saves a checkpoint first (with --save)."""
+    batch = args.batch_schedule.at(state.consumed_train_samples)
+    if batch.num_microbatches != ctx.layout.num_microbatches:
+        if batch.num_microbatches < ctx.layout.num_microbatches:  # the ramp only grows
+            raise RuntimeError(f"micro batches per rank went from {ctx.layout.num_microbatches} down to "
+                               f"{batch.num_microbatches} at {state.consumed_train_samples} consumed samples")
+        if args.save and state.iteration != 0 and saver.last_saved != state.iteration:
+            saver.save(state)
+        logger.info("ramping up batch size from %d to %d (%d micro batches per rank)",
+                    ctx.layout.global_batch_size, batch.running_global_batch_size, batch.num_microbatches)
+        ctx.layout = dataclasses.replace(ctx.layout, num_microbatches=batch.num_microbatches)
+    return batch
+
+
 def train(args, ctx: StepContext, state: TrainState, train_src, valid_src, metrics: MetricsRecorder,
           dash) -> tuple[Saver, bool]:
     """Run iterations until the budget (or an exit condition); returns the saver and
@@ -188,6 +216,7 @@ def train(args, ctx: StepContext, state: TrainState, train_src, valid_src, metri
     balancing_name = MoELoadBalancing.parse(args.moe_router_load_balancing_type,
                                             arg_name="--moe-router-load-balancing-type").log_name
     stats = IntervalStats(balancing_name=balancing_name)
+    interval_flops = 0.0
     memory_reports = 0
     first_iteration = state.iteration + 1
     saver = Saver(args, ctx)
@@ -200,7 +229,9 @@ def train(args, ctx: StepContext, state: TrainState, train_src, valid_src, metri
     device_mod.synchronize(ctx.device)
     last = time.perf_counter()
     while state.iteration < args.train_iters:
+        batch = next_batch(args, ctx, state, saver)
         result = train_step(ctx, state, train_src)
+        state.skipped_train_samples += batch.skipped_samples
         interval = args.check_weight_hash_across_dp_replicas_interval
         if interval and state.iteration % interval == 0:
             check_weight_replicas(ctx.bundle.model, state.iteration)  # Megatron-LM's replica check
@@ -212,7 +243,9 @@ def train(args, ctx: StepContext, state: TrainState, train_src, valid_src, metri
         now = time.perf_counter()
         stats.add(result, now - last)
         last = now
-        state.floating_point_operations_so_far += flops
+        iteration_flops = flops * batch.running_global_batch_size / args.global_batch_size
+        state.floating_point_operations_so_far += iteration_flops
+        interval_flops += iteration_flops
         metrics.record(state.iteration, result)
         if dash.active:
             dashboards_mod.write_moe_scalars(dash, result.load_balancing_loss, state.iteration, balancing_name)
@@ -221,13 +254,15 @@ def train(args, ctx: StepContext, state: TrainState, train_src, valid_src, metri
                 dash, args, iteration=state.iteration, consumed_samples=state.consumed_train_samples,
                 lm_loss=None if result.skipped else result.lm_loss, learning_rate=result.learning_rate,
                 loss_scale=result.loss_scale, grad_norm=result.grad_norm, num_zeros=result.num_zeros,
-                params_norm=result.params_norm)
+                params_norm=result.params_norm, batch_size=batch.running_global_batch_size,
+                skipped_samples=state.skipped_train_samples)
         # Megatron-LM logs the first iteration of a run (without resetting the
         # interval sums) and then every --log-interval iterations.
         if logs:
-            log_iteration(args, ctx, state, result, stats, flops, dash)
+            log_iteration(args, ctx, state, result, stats, interval_flops, dash)
             if state.iteration % args.log_interval == 0:
                 stats = IntervalStats(balancing_name=balancing_name)
+                interval_flops = 0.0
             # Memory after the first logged iteration and again after the next one
             # (which includes the optimizer state), as Megatron-LM reports it.
             if memory_reports < 2:
@@ -276,6 +311,14 @@ def run(args, device: torch.device) -> int:
         if state.iteration:
             logger.info("> resuming at iteration %d, %d samples consumed", state.iteration,
                         state.consumed_train_samples)
+    # The batch where the run (re)starts: mid-ramp after a resume. The remaining batches are
+    # checked before the first step (the micro batch or data-parallel size may have changed).
+    problem = args.batch_schedule.first_problem(state.consumed_train_samples, args.train_iters - state.iteration)
+    if problem:
+        raise ArgumentError(f"cannot continue from {state.consumed_train_samples} consumed samples: {problem}")
+    if state.iteration < args.train_iters:
+        ctx.layout = dataclasses.replace(
+            ctx.layout, num_microbatches=args.batch_schedule.at(state.consumed_train_samples).num_microbatches)
 
     metrics = MetricsRecorder()
     dash = dashboards_mod.build_dashboards(args, dist.get_rank())

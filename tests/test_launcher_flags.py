@@ -451,18 +451,19 @@ def test_more_local_ranks_than_gpus_is_refused_up_front(monkeypatch, backend):
     assert _parse(backend) is not None
 
 
-def test_mcore_models_refuse_what_the_local_spec_cannot_build(monkeypatch):
+def test_mcore_models_refuse_what_megatron_lm_cannot_build(monkeypatch):
     from megatron_fsdp import device as device_mod
 
     pytest.importorskip("megatron.core")
     monkeypatch.setattr(device_mod, "cuda_available", lambda: True)
     monkeypatch.setattr(device_mod, "cuda_device_count", lambda: 1)
     mcore = ["--use-mcore-models", "--distributed-backend", "nccl"]
-    with pytest.raises(ArgumentError, match="--apply-layernorm-1p with --use-mcore-models"):
-        _parse(mcore + ["--apply-layernorm-1p"])
-    with pytest.raises(ArgumentError, match=re.escape("--moe-layer-freq [0,1] with --use-mcore-models")):
-        _parse(mcore + ["--num-experts", "2", "--moe-layer-freq", "[0,1]"])
-    assert _parse(mcore + ["--num-experts", "2"]).use_mcore_models
+    # Megatron-LM's local spec builds RMSNorm from torch, which refuses zero-centred gamma.
+    with pytest.raises(ArgumentError, match="--apply-layernorm-1p with --normalization RMSNorm and --transformer-impl"):
+        _parse(mcore + ["--apply-layernorm-1p", "--normalization", "RMSNorm", "--transformer-impl", "local"])
+    assert _parse(mcore + ["--apply-layernorm-1p", "--normalization", "RMSNorm"]).layernorm_zero_centered_gamma
+    assert _parse(mcore + ["--apply-layernorm-1p", "--transformer-impl", "local"]).layernorm_zero_centered_gamma
+    assert _parse(mcore + ["--num-experts", "2", "--moe-layer-freq", "[0,1]"]).moe_layer_freq == [0, 1]
 
 
 # -- flags that change Megatron-LM's numbers reach the model -----------------------------------

@@ -83,7 +83,8 @@ class IntervalStats:
 def format_iteration_line(*, iteration: int, train_iters: int, consumed_samples: int, stats: IntervalStats,
                           throughput: Optional[float], learning_rate: Optional[float], global_batch_size: int,
                           loss_scale: float, grad_norm: Optional[float], num_zeros: Optional[int] = None,
-                          params_norm: Optional[float] = None, now: Optional[datetime.datetime] = None) -> str:
+                          params_norm: Optional[float] = None, now: Optional[datetime.datetime] = None,
+                          skipped_samples: int = 0) -> str:
     """Megatron-LM's ``training_log`` line, field for field: ``throughput`` only with
     ``--log-throughput`` (None otherwise), ``num zeros`` / ``params norm`` only when
     computed (``--log-num-zeros-in-grad`` / ``--log-params-norm``), and for MoE
@@ -92,6 +93,8 @@ def format_iteration_line(*, iteration: int, train_iters: int, consumed_samples:
     line = f" [{(now or datetime.datetime.now()).strftime('%Y-%m-%d %H:%M:%S.%f')}]"
     line += f" iteration {iteration:8d}/{train_iters:8d} |"
     line += f" consumed samples: {consumed_samples:12d} |"
+    if skipped_samples > 0:  # --decrease-batch-size-if-needed
+        line += f" skipped samples: {skipped_samples:12d} |"
     line += f" elapsed time per iteration (ms): {ms:.1f} |"
     if throughput is not None:
         line += f" throughput per GPU (TFLOP/s/GPU): {throughput:.1f} |"

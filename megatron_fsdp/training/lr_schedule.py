@@ -60,6 +60,10 @@ class LRSchedule:
     warmup_init: float = 0.0
     increment: int = 1
     """Clock units per applied update: 1 (iterations) or the global batch size (samples)."""
+    per_sample: bool = False
+    """The clock counts samples: ``step(samples)`` adds the samples the iteration trained
+    on, as Megatron-LM's scheduler is stepped by micro batches x micro batch x DP size
+    (``increment`` unless ``--rampup-batch-size`` changes the batch)."""
     num_steps: int = 0
     """Clock so far; the next iteration uses ``lr_at(num_steps)``."""
 
@@ -73,7 +77,8 @@ class LRSchedule:
     def from_args(cls, args) -> "LRSchedule":
         units = args.schedule
         return cls(max_lr=args.lr, min_lr=args.min_lr, warmup_steps=units.warmup_steps, decay_steps=units.decay_steps,
-                   style=args.lr_decay, warmup_init=args.lr_warmup_init, increment=units.increment)
+                   style=args.lr_decay, warmup_init=args.lr_warmup_init, increment=units.increment,
+                   per_sample=units.unit == "samples")
 
     def lr_at(self, step: int, *, max_lr: Optional[float] = None, min_lr: Optional[float] = None) -> float:
         """The learning rate at clock ``step``; ``max_lr``/``min_lr``: a param group's own
@@ -114,9 +119,10 @@ class LRSchedule:
             group["lr"] = self.lr_at(self.num_steps, max_lr=group.get("max_lr"), min_lr=group.get("min_lr"))
         return self.current_lr
 
-    def step(self) -> None:
-        """Advance after an applied update (never after a skipped iteration)."""
-        self.num_steps += self.increment
+    def step(self, samples: Optional[int] = None) -> None:
+        """Advance after an applied update (never after a skipped iteration);
+        ``samples``: what the iteration trained on, the step of a per-sample clock."""
+        self.num_steps += samples if self.per_sample and samples is not None else self.increment
 
     def state_dict(self) -> dict:
         return dataclasses.asdict(self) | {"style": self.style.value}

@@ -86,9 +86,14 @@ def build_dashboards(args, rank: int) -> Dashboards:
 
 def write_training_scalars(dash: Dashboards, args, *, iteration: int, consumed_samples: int, lm_loss: Optional[float],
                            learning_rate: float, loss_scale: float, grad_norm: Optional[float],
-                           num_zeros: Optional[int], params_norm: Optional[float]) -> None:
-    """Megatron-LM's per-iteration scalars (every ``--tensorboard-log-interval`` iterations)."""
-    pairs = [("learning-rate", learning_rate), ("batch-size", args.global_batch_size), ("lm loss", lm_loss)]
+                           num_zeros: Optional[int], params_norm: Optional[float], batch_size: Optional[int] = None,
+                           skipped_samples: int = 0) -> None:
+    """Megatron-LM's per-iteration scalars (every ``--tensorboard-log-interval`` iterations);
+    ``batch_size``: the iteration's global batch (``--global-batch-size`` unless ramped up)."""
+    if skipped_samples > 0:  # --decrease-batch-size-if-needed; no "vs samples" twin in Megatron-LM
+        dash.add_scalar("skipped-train-samples", skipped_samples, iteration)
+    batch_size = args.global_batch_size if batch_size is None else batch_size
+    pairs = [("learning-rate", learning_rate), ("batch-size", batch_size), ("lm loss", lm_loss)]
     if args.log_loss_scale_to_tensorboard:
         pairs.append(("loss-scale", loss_scale))
     if args.log_world_size_to_tensorboard:
