@@ -18,6 +18,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -158,3 +159,151 @@ def test_mla_config_defaults_and_refusals():
         GPTConfig(**SMALL, q_lora_rank=0)
     with pytest.raises(ValueError, match="mscale_all_dim=-20"):
         GPTConfig(**SMALL, rotary_scaling_factor=40.0, mscale_all_dim=-20.0)
+
+
+# -- the launcher ------------------------------------------------------------------------------
+# Megatron-LM's DeepSeek proxy recipe (tests/functional_tests/.../deepseek_proxy_fsdp_ep2_fsdp2), scaled
+# down: 8 -> 2 layers (first dense, then MoE), 512 -> 64 hidden, 8 -> 4 experts; MLA ranks and head widths
+# shrunk alike. Left out: EP, FP8, TransformerEngine, the sigmoid / grouped router (not MLA's business).
+DEEPSEEK_PROXY = """
+    --num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 --kv-channels 16
+    --seq-length 32 --max-position-embeddings 32 --position-embedding-type rope --rotary-base 10000
+    --make-vocab-size-divisible-by 64 --normalization RMSNorm --norm-epsilon 1e-6 --swiglu
+    --untie-embeddings-and-output-weights --multi-latent-attention --attention-dropout 0.0 --hidden-dropout 0.0
+    --clip-grad 1.0 --weight-decay 0.1 --qk-layernorm --disable-bias-linear --no-rope-fusion
+    --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-fraction .1 --adam-beta1 0.9 --adam-beta2 0.95
+    --init-method-std 0.02 --micro-batch-size 2 --global-batch-size 8 --train-iters 12
+    --num-experts 4 --moe-layer-freq ([0]*1+[1]*1) --moe-ffn-hidden-size 32 --moe-shared-expert-intermediate-size 32
+    --moe-router-load-balancing-type seq_aux_loss --moe-router-topk 2 --moe-router-pre-softmax
+    --moe-aux-loss-coeff 1e-4 --moe-router-topk-scaling-factor 2.0 --moe-router-dtype fp32
+    --q-lora-rank 32 --kv-lora-rank 16 --qk-head-dim 16 --qk-pos-emb-head-dim 8 --v-head-dim 16
+    --rotary-scaling-factor 1.0 --mscale 1.0 --mscale-all-dim 1.0
+    --log-interval 4 --eval-interval 6 --eval-iters 1 --plot-path none --split 949,50,1
+"""
+FSDP = "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params"
+
+
+def _launch(flags: str, log: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(REPO / "scripts" / "pretrain_gpt.py"), *shlex.split(flags), "--log-json", str(log)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def test_deepseek_proxy_command_trains_on_cpu_fsdp_equals_ddp(tmp_path):
+    fsdp, ddp = tmp_path / "fsdp.json", tmp_path / "ddp.json"
+    proc = _launch(f"{DEEPSEEK_PROXY} {FSDP}", fsdp)
+    _launch(DEEPSEEK_PROXY, ddp)
+    assert "Megatron-FSDP (optim_grads_params)" in proc.stdout
+    assert "--kv-channels 16: no effect with --multi-latent-attention" in proc.stdout  # said, not silently dropped
+    a, b = json.loads(fsdp.read_text()), json.loads(ddp.read_text())
+    assert a["iterations"] == b["iterations"] == list(range(1, 13))
+    for it, x, y in zip(a["iterations"], a["lm_loss"], b["lm_loss"]):
+        assert abs(x - y) <= 1e-5, f"iteration {it}: Megatron-FSDP {x} vs DDP {y}"
+    assert sum(a["lm_loss"][-3:]) / 3 < sum(a["lm_loss"][:3]) / 3 - 0.5, a["lm_loss"]
+
+
+def _proxy_args(extra: str = "", drop: tuple[str, ...] = ()):
+    from megatron_fsdp.training.arguments import parse_args
+
+    tokens = shlex.split(DEEPSEEK_PROXY + " " + extra)
+    for flag in drop:
+        i = tokens.index(flag)
+        del tokens[i:i + (1 if tokens[i + 1].startswith("--") else 2)]
+    return parse_args(tokens, world_size=2)
+
+
+def test_launcher_maps_the_mla_flags_onto_the_model():
+    from megatron_fsdp.training.model_setup import gpt_config_from_args
+
+    cfg = gpt_config_from_args(_proxy_args())
+    assert cfg.multi_latent_attention and cfg.rope_type is RopeType.YARN  # --rope-type left out: MLA's default
+    assert (cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_head_dim, cfg.qk_pos_emb_head_dim, cfg.v_head_dim) == \
+        (32, 16, 16, 8, 16)
+    assert (cfg.rotary_scaling_factor, cfg.mscale, cfg.mscale_all_dim, cfg.qk_layernorm) == (1.0, 1.0, 1.0, True)
+    # megatron-core's YaRN constants: Megatron-LM's --yarn-* flags never reach MLA
+    assert (cfg.original_max_position_embeddings, cfg.beta_fast, cfg.beta_slow) == (4096, 32.0, 1.0)
+    assert gpt_config_from_args(_proxy_args(drop=("--q-lora-rank",))).q_lora_rank is None
+    assert gpt_config_from_args(_proxy_args("--rope-type rope")).rope_type is RopeType.ROPE
+
+
+def test_launcher_warns_where_a_flag_has_no_effect():
+    args = _proxy_args("--rope-type yarn --rotary-percent 0.5 --yarn-beta-fast 16")
+    warnings = "\n".join(args.flag_warnings)
+    assert "--rotary-percent 0.5: no effect with MLA's YaRN" in warnings
+    assert "--yarn-beta-fast 16.0: accepted, no effect here" in warnings and "keeps megatron-core's 32" in warnings
+    args = _proxy_args("--rope-type rope --mscale 2", drop=("--no-rope-fusion",))
+    warnings = "\n".join(args.flag_warnings)
+    assert "--mscale 2.0: no effect with --rope-type rope" in warnings
+    assert "Megatron-LM refuses this" in warnings and "Add --no-rope-fusion" in warnings
+    args = _proxy_args(drop=("--multi-latent-attention",))
+    assert "--q-lora-rank: no effect without --multi-latent-attention" in "\n".join(args.flag_warnings)
+
+
+@pytest.mark.parametrize("extra, drop, match", [
+    ("--group-query-attention --num-query-groups 2", (), "--group-query-attention with --multi-latent-attention"),
+    ("--rope-type yarn", ("--multi-latent-attention",), "--rope-type yarn without --multi-latent-attention"),
+    ("--qk-pos-emb-head-dim 6 --rope-type rope --rotary-percent 0.5", (), "gives 3 rotary channels"),
+    ("--q-lora-rank 0", (), "--q-lora-rank=0 must be a positive integer"),
+    ("--rotary-scaling-factor 40 --mscale-all-dim -20", (), "--mscale-all-dim=-20.0 with --rotary-scaling-factor"),
+    ("--cache-mla-latents", (), "megatron-core refuses it in training"),
+])
+def test_launcher_refuses_what_mla_cannot_honour(extra, drop, match):
+    from megatron_fsdp.training.arguments import ArgumentError
+
+    with pytest.raises(ArgumentError, match=re.escape(match)):
+        _proxy_args(extra, drop)
+
+
+def test_mcore_mla_needs_transformer_engine():
+    from megatron_fsdp.training import mla_flags
+    from megatron_fsdp.training.arguments import ArgumentError
+
+    if mla_flags.transformer_engine_installed():
+        pytest.skip("TransformerEngine is installed")
+    from megatron_fsdp import device as device_mod
+
+    with mock.patch.object(device_mod, "cuda_available", lambda: True), \
+            mock.patch.object(device_mod, "cuda_device_count", lambda: 2), \
+            pytest.raises(ArgumentError, match="needs TransformerEngine installed"):
+        _proxy_args("--use-mcore-models --distributed-backend nccl")
+
+
+def launcher_mcore_mla_keys_worker(rank, world, *, directory):
+    """The launcher's --use-mcore-models --multi-latent-attention --save: megatron-core's own keys."""
+    import functools
+
+    import torch.distributed.checkpoint as dcp
+
+    from megatron_fsdp import device as device_mod
+    from megatron_fsdp.models import mcore as mcore_models
+    from megatron_fsdp.training import checkpointing, mla_flags
+    from megatron_fsdp.training.model_setup import gpt_config_from_args, setup_model_and_optimizer
+
+    # Validation refuses --use-mcore-models without CUDA (and MLA without TransformerEngine): the shim bridges both.
+    with mock.patch.object(device_mod, "cuda_available", lambda: True), \
+            mock.patch.object(device_mod, "cuda_device_count", lambda: world), \
+            mock.patch.object(mla_flags, "transformer_engine_installed", lambda: True):
+        args = _proxy_args(f"--use-mcore-models --distributed-backend nccl --train-iters 1 {FSDP}")
+    with _mcore_on_cpu(), mock.patch.object(mcore_models, "build_mcore_gpt",
+                                            functools.partial(mcore_models.build_mcore_gpt, allow_cpu=True)):
+        bundle = setup_model_and_optimizer(args, torch.device("cpu"))
+        checkpointing.save(directory, 1, bundle.model, bundle.optimizer, {})
+        torch.manual_seed(0)
+        own = mcore_models.build_mcore_gpt(gpt_config_from_args(args), allow_cpu=True)
+    metadata = dcp.FileSystemReader(checkpointing.checkpoint_dir(directory, 1)).read_metadata().state_dict_metadata
+    saved = sorted(k.removeprefix("model.") for k in metadata if k.startswith("model."))
+    return dict(saved=saved, own=sorted(own.state_dict()), attention=type(own.decoder.layers[0].self_attention).__name__)
+
+
+def test_launcher_builds_megatron_core_mla_and_saves_its_keys(pool2, tmp_path):
+    pytest.importorskip("megatron.core")
+    result = pool2.run(launcher_mcore_mla_keys_worker, directory=str(tmp_path))[0]
+    assert result["attention"] == "MLASelfAttention"
+    assert result["saved"] == result["own"]
+    weights = set(result["saved"])
+    for name in ("linear_q_down_proj.weight", "q_layernorm.weight", "linear_q_up_proj.weight",
+                 "linear_kv_down_proj.weight", "kv_layernorm.weight", "linear_kv_up_proj.weight", "linear_proj.weight"):
+        assert f"decoder.layers.1.self_attention.{name}" in weights, name

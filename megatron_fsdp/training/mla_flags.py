@@ -23,6 +23,10 @@ def _given(args: argparse.Namespace) -> dict:
     return getattr(args, "given_flags", {})
 
 
+def transformer_engine_installed() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
 def effective_rope_type(args: argparse.Namespace) -> str:
     """MLA's rotary embedding: --rope-type, else megatron-core's MLA default (yarn)."""
     return args.rope_type or "yarn"
@@ -58,7 +62,7 @@ def mla_problems(args: argparse.Namespace) -> list[str]:
                 problems.append(f"--{name.replace('_', '-')}={getattr(args, name)} with --rotary-scaling-factor="
                                 f"{args.rotary_scaling_factor}: YaRN's scale 0.1 x {name} x ln(factor) + 1 is <= 0; "
                                 "use a larger value")
-    if args.use_mcore_models and importlib.util.find_spec("transformer_engine") is None:
+    if args.use_mcore_models and not transformer_engine_installed():
         problems.append("--use-mcore-models --multi-latent-attention needs TransformerEngine installed: megatron-core "
                         "0.16.1 cannot build its MLA without it (models/mcore_mla.py, [Note: MLA without "
                         "TransformerEngine]); install transformer_engine or drop --use-mcore-models (the embedded "
