@@ -46,6 +46,11 @@ CONFIGS = {
                         moe_router_load_balancing_type="seq_aux_loss"),
     "moe_balancing_none": dict(LLAMA, num_moe_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.05,
                                moe_router_load_balancing_type="none"),
+    # DeepSeek-V3's router (router-level parity, expert-bias updates and global_aux_loss: test_moe_router.py).
+    "moe_deepseek_router": dict(LLAMA, num_moe_experts=8, moe_router_topk=4, moe_router_score_function="sigmoid",
+                                moe_router_enable_expert_bias=True, moe_router_num_groups=4, moe_router_group_topk=2,
+                                moe_router_topk_scaling_factor=2.5, moe_aux_loss_coeff=1e-3,
+                                moe_router_load_balancing_type="seq_aux_loss"),
 }
 
 

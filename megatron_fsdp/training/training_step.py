@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..models.router import balancing_logged_as_rank_sum, finish_global_batch
 from .data import BatchLayout, SampleSource, get_microbatch
 from .loss_scaler import LossScaler
 from .lr_schedule import LRSchedule
@@ -158,6 +159,19 @@ def _moe_balancing_loss(ctx: StepContext) -> Optional[torch.Tensor]:
     return report() if report is not None else None
 
 
+def _module(ctx: StepContext) -> torch.nn.Module:
+    return getattr(ctx.bundle.model, "module", ctx.bundle.model)
+
+
+def _finish_moe_global_batch(ctx: StepContext) -> None:
+    """MoE routers, once per global batch after the last backward and before the optimizer
+    step (also of a step that is then skipped), as megatron-core's ``finalize_model_grads``:
+    expert biases updated from the tokens per expert summed over the data-parallel ranks
+    (here every rank: tensor, pipeline and context parallel sizes are 1), global-aux-loss
+    counts reset. See megatron_fsdp/models/router.py, [Note: expert bias]."""
+    finish_global_batch(_module(ctx))
+
+
 def _set_moe_aux_loss_scale(ctx: StepContext, scale: float) -> None:
     """MoE load-balancing losses get the factor the LM loss of one micro batch gets
     (see megatron_fsdp/models/moe.py, [Note: attaching the aux loss]): 1/micro-batches
@@ -228,6 +242,7 @@ def train_step(ctx: StepContext, state: TrainState, source: SampleSource) -> Ste
             f"iteration {iteration}: {exc}. Lower --lr, check the data, or pass "
             "--no-check-for-nan-in-loss-and-grad to skip such steps"
         ) from exc
+    _finish_moe_global_batch(ctx)
     parts = [sums.loss.reshape(1), torch.full((1,), float(sums.tokens), dtype=torch.float64, device=ctx.device),
              sums.nonfinite.reshape(1)]
     if sums.balancing is not None:
@@ -272,8 +287,9 @@ def train_step(ctx: StepContext, state: TrainState, source: SampleSource) -> Ste
     params_norm = params_l2_norm(params) if ctx.log_params_norm else None
     state.iteration += 1
     state.consumed_train_samples += ctx.layout.global_batch_size
-    # Megatron-LM: the per-micro-batch balancing losses summed, times 1 / micro batches, averaged over DP.
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    # Megatron-LM: the per-micro-batch balancing losses summed, times 1 / micro batches, averaged over DP
+    # (summed for the global aux loss, whose ranks each hold a part of one loss).
+    world = dist.get_world_size() if dist.is_initialized() and not balancing_logged_as_rank_sum(_module(ctx)) else 1
     load_balancing = None if sums.balancing is None else host[3] / world / ctx.layout.num_microbatches
     return StepResult(
         lm_loss=global_loss / global_tokens,
