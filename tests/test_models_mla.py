@@ -161,6 +161,21 @@ def test_mla_config_defaults_and_refusals():
         GPTConfig(**SMALL, rotary_scaling_factor=40.0, mscale_all_dim=-20.0)
 
 
+@pytest.mark.parametrize("recompute", [dict(recompute_granularity="selective"),
+                                       dict(recompute_granularity="full", recompute_method="block",
+                                            recompute_num_layers=1)], ids=["selective", "full_block"])
+def test_mla_recomputation_changes_no_number(recompute):
+    cfg = GPTConfig(**{**SMALL, **CONFIGS["q_lora_yarn"]})
+    tokens = torch.randint(0, VOCAB, (2, SEQ + 1), generator=torch.Generator().manual_seed(1))
+    grads = []
+    for c in (cfg, GPTConfig(**{**SMALL, **CONFIGS["q_lora_yarn"], **recompute})):
+        torch.manual_seed(0)
+        model = GPT(c)
+        gpt_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
+
+
 # -- the launcher ------------------------------------------------------------------------------
 # Megatron-LM's DeepSeek proxy recipe (tests/functional_tests/.../deepseek_proxy_fsdp_ep2_fsdp2), scaled
 # down: 8 -> 2 layers (first dense, then MoE), 512 -> 64 hidden, 8 -> 4 experts; MLA ranks and head widths
