@@ -31,8 +31,9 @@ LLAMA = dict(swiglu=True, ffn_hidden_size=40, normalization="RMSNorm", position_
 CONFIGS = {
     "gpt_layernorm": dict(apply_layernorm_1p=True),
     "llama_rmsnorm_qk_norm": dict(LLAMA, apply_layernorm_1p=True, qk_layernorm=True),
-    "moe_layernorm_qk_norm": dict(apply_layernorm_1p=True, qk_layernorm=True, num_moe_experts=4, moe_router_topk=2,
-                                  moe_aux_loss_coeff=0.01, openai_gelu=False),
+    # megatron-core's experts cannot take a GELU MLP with biases (an in-place bias add on a view): swiglu.
+    "moe_layernorm_qk_norm": dict(LLAMA, normalization="LayerNorm", apply_layernorm_1p=True, qk_layernorm=True,
+                                  num_moe_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.01),
 }
 
 

@@ -176,6 +176,10 @@ LAUNCHER_MODELS = {
     "llama_moe": ("--swiglu --normalization RMSNorm --position-embedding-type rope --group-query-attention "
                   "--num-query-groups 2 --untie-embeddings-and-output-weights --disable-bias-linear "
                   "--num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 1e-2"),
+    # Zero-centred norms (same keys) and a dense first layer (Megatron-LM's DeepSeek pattern).
+    "llama_moe_1p_dense_first": ("--swiglu --normalization RMSNorm --position-embedding-type rope "
+                                 "--untie-embeddings-and-output-weights --disable-bias-linear --num-experts 4 "
+                                 "--moe-router-topk 2 --apply-layernorm-1p --qk-layernorm --moe-layer-freq ([0]+[1]*1)"),
 }
 
 
@@ -219,3 +223,7 @@ def test_launcher_saves_megatron_core_keys(pool2, tmp_path, model, wrapper):
     if model == "llama_moe":
         assert "decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight" in weights
         assert "decoder.layers.0.mlp.router.weight" in weights and "output_layer.weight" in weights
+    if model == "llama_moe_1p_dense_first":
+        assert "decoder.layers.0.mlp.linear_fc1.weight" in weights and "decoder.layers.0.mlp.router.weight" not in weights
+        assert "decoder.layers.1.mlp.router.weight" in weights
+        assert "decoder.layers.1.self_attention.q_layernorm.weight" in weights
