@@ -133,10 +133,9 @@ def maybe_evaluate(args, ctx, state, valid_src, metrics, dash) -> None:
     split (each evaluation moves on; the position is checkpointed with the progress)."""
     if valid_src is None or args.eval_iters == 0:
         return
-    # Evaluation batches are --global-batch-size whatever the ramp-up is at (Megatron-LM's
-    # evaluation batch size defaults to it).
-    full = dataclasses.replace(ctx.layout, num_microbatches=args.num_microbatches)
-    loss = evaluate(dataclasses.replace(ctx, layout=full), valid_src, args.eval_iters, state.consumed_valid_samples)
+    # ctx.layout is --global-batch-size's whatever the ramp-up is at (Megatron-LM's evaluation
+    # batch size defaults to it).
+    loss = evaluate(ctx, valid_src, args.eval_iters, state.consumed_valid_samples)
     state.consumed_valid_samples += args.eval_iters * args.global_batch_size
     log_validation(state.iteration, loss)
     metrics.validation.append((state.iteration, loss))
@@ -166,16 +165,16 @@ class Saver:
             self.async_saver.finalize()
 
 
-def log_iteration(args, ctx, state, result, stats, interval_flops, dash) -> None:
+def log_iteration(args, ctx, state, result, stats, interval_flops, dash, global_batch_size: int) -> None:
     """``interval_flops``: the FLOPs of the iterations ``stats`` covers (their batches may
-    differ under --rampup-batch-size)."""
+    differ under --rampup-batch-size); ``global_batch_size``: the latest iteration's."""
     throughput = None
     if args.log_throughput:
         throughput = interval_flops / max(stats.elapsed_s, 1e-9) / args.world_size / 1e12
     logger.info(format_iteration_line(
         iteration=state.iteration, train_iters=args.train_iters, consumed_samples=state.consumed_train_samples,
         stats=stats, throughput=throughput, learning_rate=result.learning_rate,
-        global_batch_size=ctx.layout.global_batch_size, loss_scale=result.loss_scale, grad_norm=result.grad_norm,
+        global_batch_size=global_batch_size, loss_scale=result.loss_scale, grad_norm=result.grad_norm,
         num_zeros=result.num_zeros, params_norm=result.params_norm, skipped_samples=state.skipped_train_samples))
     first = stats.iterations == 1 and state.iteration % args.log_interval != 0
     if args.log_timers_to_tensorboard and not first:
@@ -191,21 +190,24 @@ def log_iteration(args, ctx, state, result, stats, interval_flops, dash) -> None
         logger.info(report)
 
 
-def next_batch(args, ctx: StepContext, state: TrainState, saver: "Saver"):
-    """The coming iteration's batch (Megatron-LM's ``update_num_microbatches``): with
-    --rampup-batch-size the micro batches per rank follow the consumed samples, and
-    when their number changes Megatron-LM saves a checkpoint first (with --save)."""
+def next_batch(args, ctx: StepContext, state: TrainState, saver: "Saver", micro_batches: int):
+    """The coming iteration's batch and its step context (Megatron-LM's
+    ``update_num_microbatches``): with --rampup-batch-size the micro batches per rank
+    follow the consumed samples, and when their number changes from ``micro_batches``
+    (the previous iteration's) Megatron-LM saves a checkpoint first (with --save)."""
     batch = args.batch_schedule.at(state.consumed_train_samples)
-    if batch.num_microbatches != ctx.layout.num_microbatches:
-        if batch.num_microbatches < ctx.layout.num_microbatches:  # the ramp only grows
-            raise RuntimeError(f"micro batches per rank went from {ctx.layout.num_microbatches} down to "
-                               f"{batch.num_microbatches} at {state.consumed_train_samples} consumed samples")
+    if batch.num_microbatches != micro_batches:
+        if batch.num_microbatches < micro_batches:  # the ramp only grows
+            raise RuntimeError(f"micro batches per rank went from {micro_batches} down to {batch.num_microbatches} "
+                               f"at {state.consumed_train_samples} consumed samples")
         if args.save and state.iteration != 0 and saver.last_saved != state.iteration:
             saver.save(state)
-        logger.info("ramping up batch size from %d to %d (%d micro batches per rank)",
-                    ctx.layout.global_batch_size, batch.running_global_batch_size, batch.num_microbatches)
-        ctx.layout = dataclasses.replace(ctx.layout, num_microbatches=batch.num_microbatches)
-    return batch
+        logger.info("ramping up batch size to %d (%d micro batches per rank)", batch.running_global_batch_size,
+                    batch.num_microbatches)
+    if batch.num_microbatches == ctx.layout.num_microbatches:
+        return batch, ctx
+    layout = dataclasses.replace(ctx.layout, num_microbatches=batch.num_microbatches)
+    return batch, dataclasses.replace(ctx, layout=layout)  # evaluation keeps ctx's --global-batch-size layout
 
 
 def train(args, ctx: StepContext, state: TrainState, train_src, valid_src, metrics: MetricsRecorder,
@@ -228,9 +230,12 @@ def train(args, ctx: StepContext, state: TrainState, train_src, valid_src, metri
     # [Note: one host sync per iteration]).
     device_mod.synchronize(ctx.device)
     last = time.perf_counter()
+    micro_batches = args.batch_schedule.at(state.consumed_train_samples).num_microbatches \
+        if state.iteration < args.train_iters else 0
     while state.iteration < args.train_iters:
-        batch = next_batch(args, ctx, state, saver)
-        result = train_step(ctx, state, train_src)
+        batch, step_ctx = next_batch(args, ctx, state, saver, micro_batches)
+        micro_batches = batch.num_microbatches
+        result = train_step(step_ctx, state, train_src)
         state.skipped_train_samples += batch.skipped_samples
         interval = args.check_weight_hash_across_dp_replicas_interval
         if interval and state.iteration % interval == 0:
@@ -259,7 +264,7 @@ def train(args, ctx: StepContext, state: TrainState, train_src, valid_src, metri
         # Megatron-LM logs the first iteration of a run (without resetting the
         # interval sums) and then every --log-interval iterations.
         if logs:
-            log_iteration(args, ctx, state, result, stats, interval_flops, dash)
+            log_iteration(args, ctx, state, result, stats, interval_flops, dash, batch.running_global_batch_size)
             if state.iteration % args.log_interval == 0:
                 stats = IntervalStats(balancing_name=balancing_name)
                 interval_flops = 0.0
@@ -311,14 +316,11 @@ def run(args, device: torch.device) -> int:
         if state.iteration:
             logger.info("> resuming at iteration %d, %d samples consumed", state.iteration,
                         state.consumed_train_samples)
-    # The batch where the run (re)starts: mid-ramp after a resume. The remaining batches are
+    # A resumed run continues the ramp from its consumed samples; the remaining batches are
     # checked before the first step (the micro batch or data-parallel size may have changed).
     problem = args.batch_schedule.first_problem(state.consumed_train_samples, args.train_iters - state.iteration)
     if problem:
         raise ArgumentError(f"cannot continue from {state.consumed_train_samples} consumed samples: {problem}")
-    if state.iteration < args.train_iters:
-        ctx.layout = dataclasses.replace(
-            ctx.layout, num_microbatches=args.batch_schedule.at(state.consumed_train_samples).num_microbatches)
 
     metrics = MetricsRecorder()
     dash = dashboards_mod.build_dashboards(args, dist.get_rank())

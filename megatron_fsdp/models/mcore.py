@@ -210,7 +210,8 @@ def build_mcore_gpt(cfg: GPTConfig, *, seed: int = 1234, params_dtype: torch.dty
     if device.cuda_available() and not tensor_parallel.get_cuda_rng_tracker().is_initialized():
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return GPTModel(
-        config=config, transformer_layer_spec=_decoder_spec(cfg, config), vocab_size=cfg.vocab_size, max_sequence_length=cfg.seq_length,
+        config=config, transformer_layer_spec=_decoder_spec(cfg, config), vocab_size=cfg.vocab_size,
+        max_sequence_length=cfg.seq_length,
         pre_process=True, post_process=True, parallel_output=True,
         share_embeddings_and_output_weights=not cfg.untie_embeddings_and_output_weights,
         position_embedding_type=cfg.position_embedding_type.value, rotary_percent=cfg.rotary_percent,
