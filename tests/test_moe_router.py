@@ -21,6 +21,7 @@ test_models_mcore.py.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -62,10 +63,20 @@ CASES = {
 }
 
 
+@contextlib.contextmanager
 def _mcore_on_cpu():
+    """test_models_mcore's CPU bridge, with megatron-core's process-wide aux-loss tracker
+    emptied before and after: its entries are sized by the first model's layer count, and
+    the pooled workers build models of several sizes."""
+    from megatron.core.transformer.moe import moe_utils
     from test_models_mcore import _mcore_on_cpu as bridge
 
-    return bridge()
+    moe_utils.get_moe_layer_wise_logging_tracker().clear()
+    try:
+        with bridge():
+            yield
+    finally:
+        moe_utils.get_moe_layer_wise_logging_tracker().clear()
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -273,14 +284,15 @@ LAUNCH = """
     --micro-batch-size 2 --global-batch-size 8 --train-iters 4 --lr 3e-3 --log-interval 2 --eval-iters 0
     --plot-path none --hidden-dropout 0.0 --attention-dropout 0.0 --mock-data --tokenizer-type NullTokenizer
     --vocab-size 64 --num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 24
-    --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --ckpt-format fsdp_dtensor
 """
-DEEPSEEK_FLAGS = ("--moe-router-score-function sigmoid --moe-router-enable-expert-bias --moe-router-bias-update-rate 1e-2 "
-                  "--moe-router-topk-scaling-factor 2.5 --moe-router-num-groups 4 --moe-router-group-topk 2")
+FSDP = " --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --ckpt-format fsdp_dtensor "
+DEEPSEEK_FLAGS = ("--moe-router-score-function sigmoid --moe-router-enable-expert-bias "
+                  "--moe-router-bias-update-rate 1e-2 --moe-router-topk-scaling-factor 2.5 "
+                  "--moe-router-num-groups 4 --moe-router-group-topk 2")
 
 
 def _parse(extra: str):
-    return parse_args(shlex.split(LAUNCH + extra), world_size=2)
+    return parse_args(shlex.split(LAUNCH + FSDP + extra), world_size=2)
 
 
 def test_router_flags_reach_the_model_and_bad_combinations_fail_at_parse_time():
@@ -302,12 +314,12 @@ def test_router_flags_reach_the_model_and_bad_combinations_fail_at_parse_time():
             _parse(flags)
 
 
-def _torchrun(flags: str, tmp_path: Path, tag: str) -> dict:
+def _torchrun(flags: str, tmp_path: Path, tag: str, extra: str = "") -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="")
     out = tmp_path / f"{tag}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(REPO / "scripts" / "pretrain_gpt.py"), *shlex.split(LAUNCH + flags), "--log-json", str(out),
-           "--save", str(tmp_path / tag), "--save-interval", "4"]
+           str(REPO / "scripts" / "pretrain_gpt.py"), *shlex.split(LAUNCH + FSDP + flags), "--log-json", str(out),
+           "--save", str(tmp_path / tag), "--save-interval", "4", *shlex.split(extra)]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return dict(metrics=json.loads(out.read_text()), stdout=proc.stdout)
@@ -344,3 +356,57 @@ def test_launcher_runs_deepseek_routing_and_global_aux_loss(tmp_path):
     for bias in biases.values():
         steps = bias.float() / 1e-2  # 4 updates of +-1e-2 (or 0)
         assert torch.allclose(steps, steps.round(), atol=1e-4) and steps.abs().max() <= 4 and steps.abs().sum() > 0
+    # Stopped after iteration 2 and resumed from its checkpoint: the bias came back with the weights.
+    _torchrun(DEEPSEEK_FLAGS + balancing, tmp_path, "first_half", "--exit-interval 2")
+    resumed = _torchrun(DEEPSEEK_FLAGS + balancing, tmp_path, "resumed", f"--load {tmp_path / 'first_half'}")
+    assert resumed["metrics"]["lm_loss"] == deepseek["metrics"]["lm_loss"][2:]
+    for key, bias in _saved_expert_bias(tmp_path / "resumed").items():
+        assert torch.equal(bias, biases[key]), key
+
+
+def mcore_launcher_worker(rank, world, *, extra=""):
+    """--use-mcore-models through the launcher's setup and train_step: megatron-core's routers
+    get the same end-of-global-batch treatment (expert bias, global aux loss reset and its
+    rank-summed log)."""
+    import functools
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    from megatron_fsdp import device as device_mod
+    from megatron_fsdp.models import mcore as mcore_models
+    from megatron_fsdp.training.data import BatchLayout, MockDataset
+    from megatron_fsdp.training.lr_schedule import LRSchedule
+    from megatron_fsdp.training.model_setup import setup_model_and_optimizer
+    from megatron_fsdp.training.training_step import StepContext, TrainState, train_step
+
+    flags = (LAUNCH + DEEPSEEK_FLAGS +
+             " --moe-router-load-balancing-type global_aux_loss --moe-aux-loss-coeff 1e-2 --use-mcore-models"
+             " --distributed-backend nccl " + extra)
+    with mock.patch.object(device_mod, "cuda_available", lambda: True), \
+            mock.patch.object(device_mod, "cuda_device_count", lambda: world):
+        args = parse_args(shlex.split(flags), world_size=world)
+    with _mcore_on_cpu(), mock.patch.object(mcore_models, "build_mcore_gpt",
+                                            functools.partial(mcore_models.build_mcore_gpt, allow_cpu=True)):
+        bundle = setup_model_and_optimizer(args, torch.device("cpu"))
+        ctx = StepContext(bundle=bundle, schedule=LRSchedule.from_args(args), scaler=None, device=torch.device("cpu"),
+                          layout=BatchLayout(micro_batch_size=2, num_microbatches=2, dp_rank=rank, dp_size=world),
+                          clip_grad=1.0, per_token_loss=False, check_for_nan=True, seq_length=16)
+        source, state = MockDataset(64, 16, seed=1), TrainState()
+        logged = [train_step(ctx, state, source).load_balancing_loss for _ in range(3)]
+    routers = [m for m in bundle.model.modules() if getattr(m, "expert_bias", None) is not None]
+    bias = torch.stack([r.expert_bias for r in routers])
+    gathered = [torch.zeros_like(bias) for _ in range(world)]
+    dist.all_gather(gathered, bias)
+    return dict(layers=len(routers), logged=logged, steps=(bias / 1e-2).tolist(),
+                same_on_ranks=all(torch.equal(g, bias) for g in gathered),
+                counts_reset=all(float(r.local_tokens_per_expert.abs().sum()) == 0 and float(r.ga_steps) == 0
+                                 for r in routers))
+
+
+def test_mcore_models_routers_are_finished_by_the_launcher(pool2):
+    for result in pool2.run(mcore_launcher_worker):
+        assert result["layers"] == 2 and result["same_on_ranks"] and result["counts_reset"], result
+        steps = torch.tensor(result["steps"])  # 3 updates of +-1e-2 (or 0) from zero
+        assert torch.allclose(steps, steps.round(), atol=1e-4) and steps.abs().max() <= 3 and steps.abs().sum() > 0
+        assert all(0.9 < v < 3 for v in result["logged"]), result["logged"]  # summed over the 2 ranks
