@@ -8,30 +8,36 @@ megatron-core's ``GPTModel`` from the same configuration.
 
 from .config import (
     GPTConfig,
+    MoELoadBalancing,
     Normalization,
     PositionEmbeddingType,
     RecomputeGranularity,
     RecomputeMethod,
     RopeType,
     RouterDtype,
+    ScoreFunction,
     vocab_size_with_padding,
 )
 from .gpt import GPT, gpt_loss
 from .moe import MoELayer, expert_device_mesh, has_expert_parameters
+from .router import finish_global_batch
 from .transformer import TransformerBlock
 
 __all__ = [
     "GPT",
     "GPTConfig",
     "MoELayer",
+    "MoELoadBalancing",
     "Normalization",
     "PositionEmbeddingType",
     "RecomputeGranularity",
     "RecomputeMethod",
     "RopeType",
     "RouterDtype",
+    "ScoreFunction",
     "TransformerBlock",
     "expert_device_mesh",
+    "finish_global_batch",
     "gpt_loss",
     "has_expert_parameters",
     "vocab_size_with_padding",
