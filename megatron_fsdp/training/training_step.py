@@ -163,6 +163,17 @@ def _module(ctx: StepContext) -> torch.nn.Module:
     return getattr(ctx.bundle.model, "module", ctx.bundle.model)
 
 
+def _finalize_model_grads(ctx: StepContext) -> None:
+    """Megatron-LM's ``finalize_model_grads`` after the last backward: the wrapper's
+    ``finish_grad_sync()`` (Megatron-core's ``FullyShardedDataParallel`` defers every
+    gradient sync until it is called, as upstream; ``fully_shard_model`` has synced at
+    the last micro batch already and returns at once), then the MoE routers' step."""
+    finish = getattr(ctx.bundle.model, "finish_grad_sync", None)
+    if finish is not None:
+        finish()
+    _finish_moe_global_batch(ctx)
+
+
 def _finish_moe_global_batch(ctx: StepContext) -> None:
     """MoE routers, once per global batch after the last backward and before the optimizer
     step (also of a step that is then skipped), as megatron-core's ``finalize_model_grads``:
@@ -242,7 +253,7 @@ def train_step(ctx: StepContext, state: TrainState, source: SampleSource) -> Ste
             f"iteration {iteration}: {exc}. Lower --lr, check the data, or pass "
             "--no-check-for-nan-in-loss-and-grad to skip such steps"
         ) from exc
-    _finish_moe_global_batch(ctx)
+    _finalize_model_grads(ctx)
     parts = [sums.loss.reshape(1), torch.full((1,), float(sums.tokens), dtype=torch.float64, device=ctx.device),
              sums.nonfinite.reshape(1)]
     if sums.balancing is not None:
