@@ -205,6 +205,8 @@ def build_mcore_gpt(cfg: GPTConfig, *, seed: int = 1234, params_dtype: torch.dty
     from megatron.core.models.gpt import GPTModel
 
     ensure_model_parallel_initialized()
+    if cfg.num_moe_experts:
+        _define_missing_te_gemm()
     args = mcore_args(cfg, seed=seed, params_dtype=params_dtype)
     config = _transformer_config(cfg, args, cross_entropy_loss_fusion=cross_entropy_loss_fusion)
     if device.cuda_available() and not tensor_parallel.get_cuda_rng_tracker().is_initialized():
@@ -217,6 +219,17 @@ def build_mcore_gpt(cfg: GPTConfig, *, seed: int = 1234, params_dtype: torch.dty
         position_embedding_type=cfg.position_embedding_type.value, rotary_percent=cfg.rotary_percent,
         rotary_base=cfg.rotary_base,
     )
+
+
+def _define_missing_te_gemm() -> None:
+    """megatron-core 0.16.1's router gating reads ``moe_utils.te_general_gemm`` and falls
+    back to ``torch.mm`` when it is None, but without TransformerEngine the name is never
+    defined (its import fails before the assignment), so every MoE forward raised
+    NameError. Define it as None, which is the fallback megatron-core meant."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 # -- weights ---------------------------------------------------------------------------------
