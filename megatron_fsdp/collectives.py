@@ -5,11 +5,14 @@ tests assert collective counts and the benchmark counts bytes moved."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import datetime
+import time
+import weakref
 from collections import Counter
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -138,6 +141,8 @@ class Handle:
     """The issuing model's limit (``None``: the process group's); CPU tensors only."""
     on_device: bool = False
     """The tensors live on an accelerator: never a host-blocking timed wait."""
+    sentinel: Optional[_WorkSentinel] = None
+    """Dies with the works (see [Note: gloo works are freed before exit])."""
 
     def is_completed(self) -> bool:
         return all(work.is_completed() for work in self.works)
@@ -151,6 +156,9 @@ class Handle:
         finally:
             inflight.forget(self)
         self.works = []
+        if self.sentinel is not None:
+            _released.add(self.sentinel)
+            self.sentinel = None
         if self.finish is not None:
             finish, self.finish = self.finish, None
             finish()
@@ -167,6 +175,53 @@ def _error(
     )
 
 
+# [Note: gloo works are freed before exit]
+# A gloo collective's work holds Python objects: its tensors (torch 2.13 keeps a
+# tensor's Python wrapper alive while C++ holds it) and the launching thread's
+# thread-local state (in backward, autograd's ``contextvars.Context``). Freeing the
+# work takes the GIL. gloo's worker thread keeps its own reference until just after it
+# wakes the waiter, so it frees the work whenever ``Handle.wait()`` drops ours first
+# (a quarter of the works, measured on 2 ranks). If that thread reaches the GIL while
+# the interpreter finalizes, CPython ends it inside a noexcept C++ destructor:
+# std::terminate, "terminate called without an active exception" (up to half the runs
+# of a two-model script that calls ``destroy_process_group()`` with the models alive
+# and exits; tests/test_exit.py; the same abort as pytorch/pytorch#190489). DDP's
+# reducer keeps a bucket's work until the next iteration, so there the main thread
+# frees it.
+# So each launch puts a sentinel object in thread-local state, which the work copies;
+# the sentinel dies with the work. ``Handle.wait()`` hands the sentinel to
+# ``_released``, and an atexit hook (atexit runs before finalization) sleeps, letting
+# go of the GIL, until every released work is freed: usually none is left, and one
+# costs the time its worker thread needs to be scheduled (about 1 ms). Works never
+# waited (a handle dropped in flight) are not awaited: finish_param_sync() first.
+class _WorkSentinel:
+    __slots__ = ("__weakref__",)
+
+
+_SENTINEL_KEY = "megatron_fsdp.work_sentinel"
+_tls_api = hasattr(torch._C, "_stash_obj_in_tls") and hasattr(torch._C, "_remove_obj_from_tls")
+_released: "weakref.WeakSet[_WorkSentinel]" = weakref.WeakSet()
+_EXIT_WAIT_S = 2.0  # a bound, should a released work never be freed
+
+
+def _launch_with_sentinel(launch: Callable[[], Any]) -> tuple[Any, Optional[_WorkSentinel]]:
+    if not _tls_api:
+        return launch(), None
+    sentinel = _WorkSentinel()
+    torch._C._stash_obj_in_tls(_SENTINEL_KEY, sentinel)
+    try:
+        return launch(), sentinel
+    finally:
+        torch._C._remove_obj_from_tls(_SENTINEL_KEY)
+
+
+@atexit.register
+def _await_released_works() -> None:
+    deadline = time.monotonic() + _EXIT_WAIT_S
+    while len(_released) and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
 def _issue(
     kind: str,
     label: str,
@@ -181,9 +236,10 @@ def _issue(
     ``Work`` or a (works, finish) pair from a point-to-point transport."""
     timeout = timeout if timeout is not None else _default_timeout
     try:
-        launched = launch()
+        launched, sentinel = _launch_with_sentinel(launch)
         works, finish = launched if isinstance(launched, tuple) else ([launched], None)
-        handle = Handle(works, kind, label, group, finish, timeout=timeout, on_device=tensors[0].device.type != "cpu")
+        on_device = tensors[0].device.type != "cpu"
+        handle = Handle(works, kind, label, group, finish, timeout=timeout, on_device=on_device, sentinel=sentinel)
     except Exception as exc:
         raise _error(kind, label, group, exc, timeout) from exc
     inflight.register(handle, f"{kind}:{label}", tensors)
