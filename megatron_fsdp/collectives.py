@@ -185,7 +185,7 @@ def _error(
 # the interpreter finalizes, CPython ends it inside a noexcept C++ destructor:
 # std::terminate, "terminate called without an active exception" (up to half the runs
 # of a two-model script that calls ``destroy_process_group()`` with the models alive
-# and exits; tests/test_exit.py; the same abort as pytorch/pytorch#190489). DDP's
+# and exits; tests/test_exit.py). DDP's
 # reducer keeps a bucket's work until the next iteration, so there the main thread
 # frees it.
 # So each launch puts a sentinel object in thread-local state, which the work copies;
@@ -194,6 +194,8 @@ def _error(
 # go of the GIL, until every released work is freed: usually none is left, and one
 # costs the time its worker thread needs to be scheduled (about 1 ms). Works never
 # waited (a handle dropped in flight) are not awaited: finish_param_sync() first.
+# CPU tensors (gloo) only: NCCL's works are held and freed by its watchdog on its own
+# schedule, and the CUDA path is kept as it was measured on a GPU.
 class _WorkSentinel:
     __slots__ = ("__weakref__",)
 
@@ -236,9 +238,9 @@ def _issue(
     ``Work`` or a (works, finish) pair from a point-to-point transport."""
     timeout = timeout if timeout is not None else _default_timeout
     try:
-        launched, sentinel = _launch_with_sentinel(launch)
-        works, finish = launched if isinstance(launched, tuple) else ([launched], None)
         on_device = tensors[0].device.type != "cpu"
+        launched, sentinel = _launch_with_sentinel(launch) if not on_device else (launch(), None)
+        works, finish = launched if isinstance(launched, tuple) else ([launched], None)
         handle = Handle(works, kind, label, group, finish, timeout=timeout, on_device=on_device, sentinel=sentinel)
     except Exception as exc:
         raise _error(kind, label, group, exc, timeout) from exc

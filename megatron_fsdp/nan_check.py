@@ -18,6 +18,8 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
+from . import collectives
+
 
 def _nonfinite(flat: torch.Tensor) -> torch.Tensor:
     """0-dim bool on ``flat``'s device. ``aminmax`` needs no temporary of the
@@ -57,7 +59,9 @@ class NonFiniteGradTracker:
         for pg, members in by_pg.items():  # insertion order: the same on every rank
             local = torch.stack([flags[g] for g in members]).float()
             combined.append(local)
-            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=pg)
+            # Through collectives (not dist.all_reduce): its waited works are freed before
+            # exit ([Note: gloo works are freed before exit]).
+            collectives.control_all_reduce(local, pg, op=dist.ReduceOp.MAX, label="nan_check")
         if not bool(torch.cat(combined).any()):  # the step's one host sync
             return
         raise NonFiniteGradError(_describe(by_pg, flags))
