@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from mcore_parity import mcore_device, ours_and_tokens
 from megatron_fsdp.models import GPT, GPTConfig, gpt_loss
 from megatron_fsdp.models.layers import ZeroCenteredNorm
 
@@ -70,17 +71,13 @@ def parity_worker(rank, world, *, cfg_kwargs, randomize_norms=True):
     from test_models_mcore import _mcore_on_cpu
 
     cfg = GPTConfig(**SMALL, **cfg_kwargs)
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    torch.manual_seed(0)
-    ours = GPT(cfg).to(device)
+    device = mcore_device()
+    ours, inputs, targets, positions = ours_and_tokens(cfg, seq=SEQ, vocab=VOCAB, device=device)
     if randomize_norms:  # move w away from 0 so that the "1 +" matters
         g = torch.Generator().manual_seed(5)
         with torch.no_grad():
             for p in _norm_params(ours).values():
                 p.copy_(0.3 * torch.randn(p.shape, generator=g))
-    tokens = torch.randint(0, VOCAB, (2, SEQ + 1), generator=torch.Generator().manual_seed(1)).to(device)
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    positions = torch.arange(SEQ, device=device).unsqueeze(0).expand_as(inputs)
     with _mcore_on_cpu():
         torch.manual_seed(0)
         theirs = build_mcore_gpt(cfg, allow_cpu=True).to(device)

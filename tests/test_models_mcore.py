@@ -21,6 +21,7 @@ pytest.importorskip("megatron.core")
 
 import torch  # noqa: E402
 
+from mcore_parity import mcore_device, ours_and_tokens  # noqa: E402
 from megatron_fsdp.models import GPT, GPTConfig, gpt_loss  # noqa: E402
 from megatron_fsdp.models.mcore import (  # noqa: E402
     balancing_loss_reader, build_mcore_gpt, mcore_unsupported, to_mcore_state_dict,
@@ -66,14 +67,8 @@ def _mcore_on_cpu():
 
 def compare_worker(rank, world, *, name):
     cfg = GPTConfig(**SMALL, **CONFIGS[name])
-    # megatron-core builds on the current CUDA device where there is one (the CPU
-    # shim stands in for it elsewhere): ours and the inputs follow it there.
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    torch.manual_seed(0)
-    ours = GPT(cfg).to(device)
-    tokens = torch.randint(0, VOCAB, (2, SEQ + 1), generator=torch.Generator().manual_seed(1)).to(device)
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    positions = torch.arange(SEQ, device=device).unsqueeze(0).expand_as(inputs)
+    device = mcore_device()
+    ours, inputs, targets, positions = ours_and_tokens(cfg, seq=SEQ, vocab=VOCAB, device=device)
     with _mcore_on_cpu():
         torch.manual_seed(0)
         theirs = build_mcore_gpt(cfg, allow_cpu=True)
@@ -118,7 +113,7 @@ def test_embedded_gpt_computes_what_megatron_core_computes(pool2, name):
 def moe_layer_bf16_worker(rank, world, *, router_dtype, extra):
     """Our bf16 MoE layer and megatron-core's, same weights and input: outputs and gradients."""
     cfg = GPTConfig(**SMALL, **LLAMA, num_moe_experts=8, moe_router_topk=2, moe_router_dtype=router_dtype, **extra)
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = mcore_device()
     torch.manual_seed(0)
     ours = GPT(cfg).to(device, torch.bfloat16)
     x = torch.randn(SEQ, 3, 32, generator=torch.Generator().manual_seed(3)).to(device, torch.bfloat16)  # (s, b, h)
@@ -185,29 +180,37 @@ LAUNCHER_MODELS = {
 
 def launcher_checkpoint_keys_worker(rank, world, *, flags, directory):
     """The model keys the launcher's --save writes, and megatron-core GPTModel's own."""
-    import functools
-
-    import torch.distributed.checkpoint as dcp
-
     from megatron_fsdp import device as device_mod
-    from megatron_fsdp.models import mcore as mcore_models
-    from megatron_fsdp.training import checkpointing
     from megatron_fsdp.training.arguments import parse_args
-    from megatron_fsdp.training.model_setup import gpt_config_from_args, setup_model_and_optimizer
 
     # Validation refuses --use-mcore-models without CUDA; the shim provides what megatron-core needs.
     with mock.patch.object(device_mod, "cuda_available", lambda: True), \
             mock.patch.object(device_mod, "cuda_device_count", lambda: world):
         args = parse_args(f"{LAUNCHER_TINY} {flags} --distributed-backend nccl".split(), world_size=world)
-    with _mcore_on_cpu(), mock.patch.object(mcore_models, "build_mcore_gpt",
-                                            functools.partial(mcore_models.build_mcore_gpt, allow_cpu=True)):
+    bundle, saved, own = launcher_saved_and_own_keys(args, directory, _mcore_on_cpu)
+    return dict(saved=saved, own=sorted(own.state_dict()), wrapper=type(bundle.model).__name__)
+
+
+def launcher_saved_and_own_keys(args, directory, bridge):
+    """The launcher's model for ``args`` saved by its --save at iteration 1 under
+    ``bridge`` (a CPU shim context): (bundle, the saved model keys, megatron-core's
+    own GPTModel for the same config)."""
+    import functools
+
+    import torch.distributed.checkpoint as dcp
+
+    from megatron_fsdp.models import mcore as mcore_models
+    from megatron_fsdp.training import checkpointing
+    from megatron_fsdp.training.model_setup import gpt_config_from_args, setup_model_and_optimizer
+
+    with bridge(), mock.patch.object(mcore_models, "build_mcore_gpt",
+                                     functools.partial(mcore_models.build_mcore_gpt, allow_cpu=True)):
         bundle = setup_model_and_optimizer(args, torch.device("cpu"))
         checkpointing.save(directory, 1, bundle.model, bundle.optimizer, {})
         torch.manual_seed(0)
         own = mcore_models.build_mcore_gpt(gpt_config_from_args(args), allow_cpu=True)
     metadata = dcp.FileSystemReader(checkpointing.checkpoint_dir(directory, 1)).read_metadata().state_dict_metadata
-    saved = sorted(k.removeprefix("model.") for k in metadata if k.startswith("model."))
-    return dict(saved=saved, own=sorted(own.state_dict()), wrapper=type(bundle.model).__name__)
+    return bundle, sorted(k.removeprefix("model.") for k in metadata if k.startswith("model.")), own
 
 
 @pytest.mark.parametrize("wrapper", ["fsdp", "ddp"])

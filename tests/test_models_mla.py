@@ -28,6 +28,7 @@ from unittest import mock
 import pytest
 import torch
 
+from mcore_parity import mcore_device, ours_and_tokens
 from megatron_fsdp.models import GPT, GPTConfig, RopeType, gpt_loss
 from megatron_fsdp.models.mla import mla_softmax_scale
 from megatron_fsdp.models.yarn import concentration, yarn_angles
@@ -75,12 +76,8 @@ def mla_compare_worker(rank, world, *, name):
     from megatron_fsdp.models.mcore import build_mcore_gpt, to_mcore_state_dict
 
     cfg = GPTConfig(**{**SMALL, **CONFIGS[name]})
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    torch.manual_seed(0)
-    ours = GPT(cfg).to(device)
-    tokens = torch.randint(0, VOCAB, (2, SEQ + 1), generator=torch.Generator().manual_seed(1)).to(device)
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    positions = torch.arange(SEQ, device=device).unsqueeze(0).expand_as(inputs)
+    device = mcore_device()
+    ours, inputs, targets, positions = ours_and_tokens(cfg, seq=SEQ, vocab=VOCAB, device=device)
     with _mcore_on_cpu():
         torch.manual_seed(0)
         theirs = build_mcore_gpt(cfg, allow_cpu=True).to(device)
@@ -288,28 +285,17 @@ def test_mcore_mla_needs_transformer_engine():
 
 def launcher_mcore_mla_keys_worker(rank, world, *, directory):
     """The launcher's --use-mcore-models --multi-latent-attention --save: megatron-core's own keys."""
-    import functools
-
-    import torch.distributed.checkpoint as dcp
+    from test_models_mcore import launcher_saved_and_own_keys
 
     from megatron_fsdp import device as device_mod
-    from megatron_fsdp.models import mcore as mcore_models
-    from megatron_fsdp.training import checkpointing, mla_flags
-    from megatron_fsdp.training.model_setup import gpt_config_from_args, setup_model_and_optimizer
+    from megatron_fsdp.training import mla_flags
 
     # Validation refuses --use-mcore-models without CUDA (and MLA without TransformerEngine): the shim bridges both.
     with mock.patch.object(device_mod, "cuda_available", lambda: True), \
             mock.patch.object(device_mod, "cuda_device_count", lambda: world), \
             mock.patch.object(mla_flags, "transformer_engine_installed", lambda: True):
         args = _proxy_args(f"--use-mcore-models --distributed-backend nccl --train-iters 1 {FSDP}")
-    with _mcore_on_cpu(), mock.patch.object(mcore_models, "build_mcore_gpt",
-                                            functools.partial(mcore_models.build_mcore_gpt, allow_cpu=True)):
-        bundle = setup_model_and_optimizer(args, torch.device("cpu"))
-        checkpointing.save(directory, 1, bundle.model, bundle.optimizer, {})
-        torch.manual_seed(0)
-        own = mcore_models.build_mcore_gpt(gpt_config_from_args(args), allow_cpu=True)
-    metadata = dcp.FileSystemReader(checkpointing.checkpoint_dir(directory, 1)).read_metadata().state_dict_metadata
-    saved = sorted(k.removeprefix("model.") for k in metadata if k.startswith("model."))
+    _, saved, own = launcher_saved_and_own_keys(args, directory, _mcore_on_cpu)
     return dict(saved=saved, own=sorted(own.state_dict()), attention=type(own.decoder.layers[0].self_attention).__name__)
 
 

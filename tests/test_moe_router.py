@@ -33,6 +33,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from mcore_parity import mcore_device
 from megatron_fsdp.models import GPT, GPTConfig, gpt_loss
 from megatron_fsdp.models.config import MoELoadBalancing, ScoreFunction
 from megatron_fsdp.models.router import finish_global_batch, group_limited_topk, sinkhorn
@@ -93,7 +94,7 @@ def router_parity_worker(rank, world, *, name):
     from megatron_fsdp.models.mcore import build_mcore_gpt, to_mcore_state_dict
 
     cfg = GPTConfig(**{**LAYER, **CASES[name]})
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = mcore_device()
     torch.manual_seed(0)
     ours = GPT(cfg).to(device)
     mine = ours.blocks[0].mlp

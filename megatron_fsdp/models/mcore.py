@@ -66,21 +66,27 @@ class ZeroCenteredMcoreNorm(ZeroCenteredNorm):
         super().__init__(hidden_size, eps, kind)
 
 
+def swap_in_spec(spec, swap):
+    """``spec`` (a megatron-core ModuleSpec / submodules dataclass tree) with every leaf
+    for which ``swap(leaf)`` returns a class replaced by that class; copies, never
+    edits, megatron-core's spec objects."""
+    replacement = swap(spec)
+    if replacement is not None:
+        return replacement
+    if isinstance(spec, list):
+        return [swap_in_spec(s, swap) for s in spec]
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        return dataclasses.replace(spec, **{f.name: swap_in_spec(getattr(spec, f.name), swap)
+                                            for f in dataclasses.fields(spec) if f.init})
+    return spec
+
+
 def _zero_centred(spec):
-    """``spec`` (a megatron-core ModuleSpec / submodules dataclass tree) with every
-    torch/apex norm class replaced by ``ZeroCenteredMcoreNorm``; copies, never edits,
-    megatron-core's spec objects."""
+    """``spec`` with every torch/apex norm class replaced by ``ZeroCenteredMcoreNorm``."""
     from megatron.core.fusions.fused_layer_norm import FusedLayerNorm
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    if spec in (WrappedTorchNorm, FusedLayerNorm):
-        return ZeroCenteredMcoreNorm
-    if isinstance(spec, list):
-        return [_zero_centred(s) for s in spec]
-    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
-        return dataclasses.replace(spec, **{f.name: _zero_centred(getattr(spec, f.name))
-                                            for f in dataclasses.fields(spec) if f.init})
-    return spec
+    return swap_in_spec(spec, lambda leaf: ZeroCenteredMcoreNorm if leaf in (WrappedTorchNorm, FusedLayerNorm) else None)
 
 
 def _decoder_spec(cfg: GPTConfig, config):

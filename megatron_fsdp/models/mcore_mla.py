@@ -31,6 +31,7 @@ from megatron.core.transformer import multi_latent_attention
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 from .config import GPTConfig
+from .mcore import swap_in_spec
 
 
 class MLADotProductAttention(DotProductAttention):
@@ -58,14 +59,7 @@ def with_mla_core_attention(spec):
     """``spec`` (a megatron-core ModuleSpec / submodules tree) with ``DotProductAttention``
     replaced by ``MLADotProductAttention``; copies, never edits, megatron-core's objects."""
     require_buildable_mla()
-    if spec is DotProductAttention:
-        return MLADotProductAttention
-    if isinstance(spec, list):
-        return [with_mla_core_attention(s) for s in spec]
-    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
-        return dataclasses.replace(spec, **{f.name: with_mla_core_attention(getattr(spec, f.name))
-                                            for f in dataclasses.fields(spec) if f.init})
-    return spec
+    return swap_in_spec(spec, lambda leaf: MLADotProductAttention if leaf is DotProductAttention else None)
 
 
 def mla_transformer_config(config, cfg: GPTConfig, changes: dict) -> MLATransformerConfig:
