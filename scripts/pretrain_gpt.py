@@ -148,7 +148,8 @@ class Saver:
 
     def __init__(self, args, ctx: StepContext) -> None:
         self.args, self.ctx = args, ctx
-        self.async_saver = checkpointing.AsyncSaver() if args.async_save else None
+        retain = args.save_retain_interval
+        self.async_saver = checkpointing.AsyncSaver(retain) if args.async_save else None
         self.last_saved = 0
 
     def save(self, state: TrainState) -> None:
@@ -157,7 +158,8 @@ class Saver:
         if self.async_saver is not None:
             self.async_saver.save(self.args.save, state.iteration, bundle.model, bundle.optimizer, extra)
         else:
-            checkpointing.save(self.args.save, state.iteration, bundle.model, bundle.optimizer, extra)
+            checkpointing.save(self.args.save, state.iteration, bundle.model, bundle.optimizer, extra,
+                               retain_interval=self.args.save_retain_interval)
         self.last_saved = state.iteration
 
     def finalize(self) -> None:

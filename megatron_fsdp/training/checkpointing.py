@@ -45,6 +45,23 @@ def read_tracker(root: str) -> Optional[int]:
         raise ValueError(f"{path} holds {text!r}, not an iteration number; fix or delete the file") from None
 
 
+def _publish(root: str, iteration: int, retain_interval: Optional[int]) -> None:
+    """Rank 0, once ``iteration``'s checkpoint is complete: name it in the tracker. With
+    ``--save-retain-interval`` the checkpoint the tracker named before is deleted unless
+    its iteration is a multiple of the interval (Megatron-LM's rule: the newest and every
+    retained one stay; a symbolic link is left alone)."""
+    previous = read_tracker(root) if retain_interval is not None else None
+    _write_tracker(root, iteration)
+    if previous is None or previous <= 0 or previous == iteration or previous % retain_interval == 0:
+        return
+    stale = checkpoint_dir(root, previous)
+    if os.path.islink(stale):
+        logger.info("  keeping the checkpoint of iteration %7d at %s: it is a symbolic link", previous, root)
+        return
+    shutil.rmtree(stale, ignore_errors=True)
+    logger.info("  deleted the checkpoint of iteration %7d (--save-retain-interval %d)", previous, retain_interval)
+
+
 def _write_tracker(root: str, iteration: int) -> None:
     path = os.path.join(root, TRACKER_FILENAME)
     tmp = f"{path}.tmp.{os.getpid()}"
@@ -86,8 +103,10 @@ def checkpoint_module(model):
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
-def save(root: str, iteration: int, model, optimizer, extra_state: dict) -> str:
-    """Collective: every rank saves its part, then rank 0 moves the tracker."""
+def save(root: str, iteration: int, model, optimizer, extra_state: dict,
+         retain_interval: Optional[int] = None) -> str:
+    """Collective: every rank saves its part, then rank 0 moves the tracker (and retires
+    the previous checkpoint under ``retain_interval``: ``_publish``)."""
     directory = checkpoint_dir(root, iteration)
     model = checkpoint_module(model)
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -97,7 +116,7 @@ def save(root: str, iteration: int, model, optimizer, extra_state: dict) -> str:
     if dist.is_initialized():
         dist.barrier()  # every rank finished writing before the tracker names this iteration
     if rank == 0:
-        _write_tracker(root, iteration)
+        _publish(root, iteration, retain_interval)
     if dist.is_initialized():
         dist.barrier()
     logger.info("  successfully saved checkpoint from iteration %7d to %s", iteration, root)
@@ -112,8 +131,9 @@ class AsyncSaver:
     (``finalize``). Its collectives run on a private gloo group so they never
     interleave with training's."""
 
-    def __init__(self) -> None:
+    def __init__(self, retain_interval: Optional[int] = None) -> None:
         self._group = dist.new_group(backend="gloo")
+        self._retain_interval = retain_interval
         self._pending: Optional[tuple[Any, str, str, int]] = None
 
     def save(self, root: str, iteration: int, model, optimizer, extra_state: dict) -> None:
@@ -150,7 +170,7 @@ class AsyncSaver:
             final = checkpoint_dir(root, iteration)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
-            _write_tracker(root, iteration)
+            _publish(root, iteration, self._retain_interval)
         dist.barrier()
         logger.info("  successfully saved checkpoint from iteration %7d to %s (asynchronously)", iteration, root)
 

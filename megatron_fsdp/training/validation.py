@@ -457,6 +457,14 @@ def _io(args, world_size) -> list[str]:
         problems.append("--finetune needs --load DIR (the checkpoint whose weights to start from)")
     if args.async_save and args.save is None:
         problems.append("--async-save needs --save DIR")
+    retain = args.save_retain_interval
+    if retain is not None and args.save is not None and args.save_interval:  # Megatron-LM's rules
+        if retain <= 0 or retain % args.save_interval:
+            problems.append(f"--save-retain-interval={retain} must be a positive multiple of "
+                            f"--save-interval={args.save_interval}")
+    if args.async_save and not args.use_gloo_process_groups:
+        problems.append("--async-save coordinates its background writes on a gloo process group of its own, which "
+                        "--disable-gloo-process-groups forbids; drop one of the two")
     interval = args.check_weight_hash_across_dp_replicas_interval
     if interval is not None and interval <= 0:
         problems.append(f"--check-weight-hash-across-dp-replicas-interval={interval} must be a positive number "
@@ -615,7 +623,8 @@ def derive_fields(args: argparse.Namespace, world_size: int) -> None:
 def _data_parallel_path(args) -> DataParallelPath:
     if args.use_megatron_fsdp:
         return DataParallelPath.MEGATRON_FSDP
-    if args.use_distributed_optimizer or args.precision is not Precision.FP32:
+    # --ddp-average-in-collective picks the collective's op, which PyTorch DDP does not expose.
+    if args.use_distributed_optimizer or args.precision is not Precision.FP32 or args.ddp_average_in_collective:
         return DataParallelPath.MEGATRON_DDP
     return DataParallelPath.TORCH_DDP
 

@@ -1,0 +1,91 @@
+"""Megatron-LM flags that blocked its functional-test recipes on their own (2026-11-26):
+``--ddp-average-in-collective``, ``--save-retain-interval``, and the ones accepted
+with a warning because they change no number here (``--use-tp-pp-dp-mapping``,
+``--test-mode``, ``--async-strategy``, ``--async-ckpt-use-cpu-shm``,
+``--disable-gloo-process-groups`` without ``--async-save``)."""
+
+from __future__ import annotations
+
+import shlex
+
+import pytest
+import torch
+
+from megatron_fsdp.training.arg_types import ArgumentError, DataParallelPath
+from megatron_fsdp.training.arguments import parse_args
+from test_pretrain_script import TINY, load_metrics, run_ok
+
+BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
+        "--micro-batch-size 2 --global-batch-size 8 --train-iters 3 --lr 3e-3 --adam-eps 1e-4 "
+        "--mock-data --tokenizer-type NullTokenizer --vocab-size 64 ")
+TOL = 1e-5
+
+
+def average_worker(rank, world, *, extra):
+    """Three launcher iterations: losses, and the reduction op of the wrapper."""
+    from megatron_fsdp.training.data import BatchLayout, MockDataset
+    from megatron_fsdp.training.lr_schedule import LRSchedule
+    from megatron_fsdp.training.model_setup import setup_model_and_optimizer
+    from megatron_fsdp.training.training_step import StepContext, TrainState, train_step
+
+    args = parse_args(shlex.split(BASE + extra), world_size=world)
+    torch.manual_seed(0)
+    bundle = setup_model_and_optimizer(args, torch.device("cpu"))
+    ctx = StepContext(bundle=bundle, schedule=LRSchedule.from_args(args), scaler=None, device=torch.device("cpu"),
+                      layout=BatchLayout(micro_batch_size=2, num_microbatches=2, dp_rank=rank, dp_size=world),
+                      clip_grad=1.0, per_token_loss=False, check_for_nan=True, seq_length=16)
+    source, state, losses = MockDataset(64, 16, seed=1), TrainState(), []
+    for _ in range(3):
+        losses.append(train_step(ctx, state, source).lm_loss)
+        state.iteration += 1
+        state.consumed_train_samples += ctx.layout.global_batch_size
+    pipeline = getattr(bundle.model, "grad_reduce_pipeline", None)
+    op = str(pipeline._op()) if pipeline is not None else "torch-ddp"
+    return dict(losses=losses, op=op, path=args.dp_path.value)
+
+
+@pytest.mark.parametrize("extra", ["", "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params",
+                                   "--use-distributed-optimizer"])
+def test_average_in_collective_trains_the_same(pool2, extra):
+    """The collective averages (ReduceOp.AVG) instead of summing pre-scaled gradients:
+    the same numbers within rounding, on each data-parallel path."""
+    plain = pool2.run(average_worker, extra=extra)[0]
+    averaged = pool2.run(average_worker, extra=extra + " --ddp-average-in-collective")[0]
+    assert "AVG" in averaged["op"] and "AVG" not in plain["op"], (plain["op"], averaged["op"])
+    assert max(abs(a - b) for a, b in zip(plain["losses"], averaged["losses"])) <= TOL
+    if not extra:  # PyTorch DDP has no such option: the flag moves the run to Megatron-FSDP's no_shard
+        assert (plain["path"], averaged["path"]) == (DataParallelPath.TORCH_DDP.value,
+                                                     DataParallelPath.MEGATRON_DDP.value)
+
+
+def test_save_retain_interval_keeps_multiples_and_the_newest(tmp_path):
+    """Megatron-LM's rule: after each save the previous checkpoint goes unless its
+    iteration is a multiple of the interval; the newest always stays."""
+    for name, extra in (("sync", []), ("async", ["--async-save"])):
+        root = tmp_path / name
+        args = [a if a != "20" else "10" for a in TINY]  # --train-iters 10
+        run_ok(args + ["--save", str(root), "--save-interval", "2", "--save-retain-interval", "4",
+                       "--log-json", str(tmp_path / f"{name}.json"), "--plot-path", "none", *extra])
+        kept = sorted(p.name for p in root.iterdir() if p.name.startswith("iter_"))
+        assert kept == ["iter_0000004", "iter_0000008", "iter_0000010"], (name, kept)
+        assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == "10"
+        assert load_metrics(tmp_path / f"{name}.json")["iterations"][-1] == 10
+
+
+@pytest.mark.parametrize("flags, message", [
+    ("--save /tmp/x --save-interval 3 --save-retain-interval 4", "positive multiple of --save-interval=3"),
+    ("--save /tmp/x --save-interval 2 --save-retain-interval -2", "positive multiple"),
+    ("--save /tmp/x --save-interval 2 --async-save --disable-gloo-process-groups", "drop one of the two"),
+])
+def test_bad_combinations_are_refused(flags, message):
+    with pytest.raises(ArgumentError, match=message):
+        parse_args(shlex.split(BASE + flags), world_size=1)
+
+
+def test_flags_without_effect_here_are_accepted_with_a_warning():
+    flags = "--use-tp-pp-dp-mapping --test-mode --async-strategy mcore --async-ckpt-use-cpu-shm " \
+            "--disable-gloo-process-groups"
+    args = parse_args(shlex.split(BASE + flags), world_size=1)
+    assert args.use_gloo_process_groups is False
+    for flag in ("--use-tp-pp-dp-mapping", "--test-mode", "--async-strategy", "--async-ckpt-use-cpu-shm"):
+        assert sum(flag in w and "no effect here" in w for w in args.flag_warnings) == 1, (flag, args.flag_warnings)
