@@ -89,3 +89,19 @@ def test_flags_without_effect_here_are_accepted_with_a_warning():
     assert args.use_gloo_process_groups is False
     for flag in ("--use-tp-pp-dp-mapping", "--test-mode", "--async-strategy", "--async-ckpt-use-cpu-shm"):
         assert sum(flag in w and "no effect here" in w for w in args.flag_warnings) == 1, (flag, args.flag_warnings)
+
+
+def test_rotary_interleaved_reaches_the_model_or_says_why_not():
+    """--rotary-interleaved: GPTConfig.rotary_interleaved with rope (megatron-core parity:
+    tests/test_models_mcore.py, llama_rotary_interleaved*); a warning without a rotary
+    embedding (Megatron-LM ignores it there); refused with multi-latent attention."""
+    from megatron_fsdp.training.model_setup import gpt_config_from_args
+
+    args = parse_args(shlex.split(BASE + "--position-embedding-type rope --rotary-interleaved"), world_size=1)
+    assert gpt_config_from_args(args).rotary_interleaved is True
+    args = parse_args(shlex.split(BASE + "--rotary-interleaved"), world_size=1)
+    assert gpt_config_from_args(args).rotary_interleaved is False
+    assert any("--rotary-interleaved has no effect" in w for w in args.flag_warnings)
+    with pytest.raises(ArgumentError, match="--rotary-interleaved does not work with --multi-latent-attention"):
+        parse_args(shlex.split(BASE + "--multi-latent-attention --rotary-interleaved --normalization RMSNorm"),
+                   world_size=1)

@@ -36,6 +36,8 @@ CONFIGS = {
     "gpt_exact_gelu_untied": dict(openai_gelu=False, untie_embeddings_and_output_weights=True),
     "llama": dict(LLAMA, rotary_base=500000),
     "llama_qk_norm_partial_rope": dict(LLAMA, qk_layernorm=True, rotary_percent=0.5, kv_channels=12),
+    "llama_rotary_interleaved": dict(LLAMA, rotary_interleaved=True),
+    "llama_rotary_interleaved_partial": dict(LLAMA, rotary_interleaved=True, rotary_percent=0.5, kv_channels=12),
     "moe": dict(LLAMA, num_moe_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.05, qk_layernorm=True),
     "llama_recompute_uniform": dict(LLAMA, recompute_granularity="full", recompute_method="uniform",
                                     recompute_num_layers=2),

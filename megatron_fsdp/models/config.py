@@ -215,6 +215,9 @@ class GPTConfig:
     rotary_base: int = 10000
     rotary_percent: float = 1.0
     """Fraction of each head's channels that RoPE rotates; the rest pass through."""
+    rotary_interleaved: bool = False
+    """RoPE turns adjacent channel pairs (0, 1), (2, 3), ... (GPT-J's layout, Megatron's
+    ``--rotary-interleaved``) instead of channel j with j + rot_dim/2."""
     untie_embeddings_and_output_weights: bool = False
     """Give the output layer its own weight instead of the embedding's."""
     add_bias_linear: bool = True
@@ -409,6 +412,10 @@ class GPTConfig:
                 f"{self.num_attention_heads} (each key/value head serves a whole group of query heads)")
         if self.norm_epsilon <= 0:
             raise ValueError(f"norm_epsilon={self.norm_epsilon} must be positive")
+        if self.rotary_interleaved and (self.multi_latent_attention
+                                        or self.position_embedding_type is not PositionEmbeddingType.ROPE):
+            raise ValueError("rotary_interleaved=True needs position_embedding_type='rope' and no multi-latent "
+                             "attention (megatron-core refuses it with MLA); drop rotary_interleaved")
         if self.position_embedding_type is PositionEmbeddingType.ROPE and not self.multi_latent_attention:
             if not 0.0 < self.rotary_percent <= 1.0:
                 raise ValueError(f"rotary_percent={self.rotary_percent} must be in (0, 1]")

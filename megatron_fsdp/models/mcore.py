@@ -176,6 +176,8 @@ def _transformer_config(cfg: GPTConfig, args: argparse.Namespace, *, cross_entro
         changes["qk_layernorm"] = True  # read by get_gpt_decoder_block_spec (Megatron-LM: --qk-layernorm)
     if cfg.apply_layernorm_1p:
         changes["layernorm_zero_centered_gamma"] = True  # Megatron-LM: --apply-layernorm-1p
+    if cfg.rotary_interleaved:
+        changes["rotary_interleaved"] = True  # Megatron-LM: --rotary-interleaved
     config = transformer_config_from_args(args)
     if cfg.multi_latent_attention:
         from .mcore_mla import mla_transformer_config

@@ -1,8 +1,9 @@
-"""Rotary position embeddings (RoPE), Megatron-core's non-interleaved layout.
+"""Rotary position embeddings (RoPE), in Megatron-core's two layouts.
 
-Channel j of the rotated part is paired with channel j + rot_dim/2 (the
-"rotate half" layout of GPT-NeoX and Megatron, not the interleaved pairs of the
-original paper); the pair at position p turns by angle p * base^(-2j/rot_dim).
+By default channel j of the rotated part is paired with channel j + rot_dim/2 (the
+"rotate half" layout of GPT-NeoX and Megatron); with ``interleaved`` (Megatron's
+``--rotary-interleaved``, GPT-J's layout) channels 2j and 2j + 1 are the pair. Pair j
+at position p turns by angle p * base^(-2j/rot_dim) either way.
 With ``rotary_percent < 1`` only the first rot_dim channels of each head turn;
 the rest pass through unchanged.
 
@@ -16,12 +17,16 @@ from __future__ import annotations
 import torch
 
 
-def rope_angles(seq_len: int, rot_dim: int, base: float, device: torch.device) -> torch.Tensor:
-    """(seq_len, rot_dim) angles: position * inverse frequency, each frequency
-    repeated for both halves of the rotated channels. Computed in fp32."""
+def rope_angles(seq_len: int, rot_dim: int, base: float, device: torch.device, *,
+                interleaved: bool = False) -> torch.Tensor:
+    """(seq_len, rot_dim) angles: position * inverse frequency, each frequency on both
+    channels of its pair ([f0.. | f0..] halves, or f0 f0 f1 f1 ... interleaved).
+    Computed in fp32."""
     inv_freq = 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.float32, device=device) / rot_dim))  # (rot_dim/2,)
     positions = torch.arange(seq_len, dtype=torch.float32, device=device)  # (t,)
     freqs = torch.outer(positions, inv_freq)  # (t, rot_dim/2)
+    if interleaved:
+        return freqs.repeat_interleave(2, dim=-1)  # (t, rot_dim)
     return torch.cat((freqs, freqs), dim=-1)  # (t, rot_dim)
 
 
@@ -30,11 +35,17 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-second, first), dim=-1)
 
 
-def apply_rope(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
-    """x: (b, heads, t, head_dim), angles: (t, rot_dim) -> x with its first rot_dim
-    channels rotated per position."""
+def _rotate_pairs(x: torch.Tensor) -> torch.Tensor:
+    """(x0, x1, x2, x3, ...) -> (-x1, x0, -x3, x2, ...)."""
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.stack((-odd, even), dim=-1).flatten(-2)
+
+
+def apply_rope(x: torch.Tensor, angles: torch.Tensor, *, interleaved: bool = False) -> torch.Tensor:
+    """x: (b, heads, t, head_dim), angles: (t, rot_dim) from ``rope_angles`` with the
+    same ``interleaved`` -> x with its first rot_dim channels rotated per position."""
     rot_dim = angles.shape[-1]
     x_rot, x_pass = x[..., :rot_dim], x[..., rot_dim:]
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)  # (t, rot_dim), broadcast over (b, heads)
-    rotated = x_rot * cos + _rotate_half(x_rot) * sin
+    rotated = x_rot * cos + (_rotate_pairs(x_rot) if interleaved else _rotate_half(x_rot)) * sin
     return torch.cat((rotated, x_pass), dim=-1) if x_pass.shape[-1] else rotated

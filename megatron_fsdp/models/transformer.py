@@ -38,6 +38,7 @@ class CausalSelfAttention(nn.Module):
         self.qk_layernorm = cfg.qk_layernorm
         self.rope = cfg.position_embedding_type is PositionEmbeddingType.ROPE
         self.rotary_dim, self.rotary_base = cfg.rotary_dim, cfg.rotary_base
+        self.rotary_interleaved = cfg.rotary_interleaved
         self.dropout = cfg.attention_dropout
         self.recompute_core = cfg.recompute_granularity is RecomputeGranularity.SELECTIVE
 
@@ -50,8 +51,10 @@ class CausalSelfAttention(nn.Module):
         if self.qk_layernorm:
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         if self.rope:
-            angles = rope_angles(t, self.rotary_dim, self.rotary_base, x.device)  # (t, rotary_dim)
-            q, k = apply_rope(q, angles), apply_rope(k, angles)
+            angles = rope_angles(t, self.rotary_dim, self.rotary_base, x.device,
+                                 interleaved=self.rotary_interleaved)  # (t, rotary_dim)
+            q = apply_rope(q, angles, interleaved=self.rotary_interleaved)
+            k = apply_rope(k, angles, interleaved=self.rotary_interleaved)
         if self.groups != self.heads:
             k = k.repeat_interleave(self.heads // self.groups, dim=1)  # (b, h, t, d)
             v = v.repeat_interleave(self.heads // self.groups, dim=1)  # (b, h, t, d)

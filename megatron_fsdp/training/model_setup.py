@@ -113,6 +113,7 @@ MODEL_FLAG_FIELDS = (
     ModelFlag("position_embedding_type", "position_embedding_type", "learned_absolute"),
     ModelFlag("rotary_base", "rotary_base", 10000),
     ModelFlag("rotary_percent", "rotary_percent", 1.0),
+    ModelFlag("rotary_interleaved", "rotary_interleaved", False),
     ModelFlag("num_query_groups", "num_query_groups", None),
     ModelFlag("kv_channels", "kv_channels", None),
     ModelFlag("untie_embeddings_and_output_weights", "untie_embeddings_and_output_weights", False),

@@ -198,6 +198,9 @@ def _model_features(args, world_size) -> list[str]:
         why = layer_freq_problem(freq, args.num_layers) if args.num_experts is not None and args.num_layers else None
         if why:
             problems.append(f"--moe-layer-freq {args.moe_layer_freq} {why}")
+    if args.rotary_interleaved and args.multi_latent_attention:  # megatron-core's TransformerConfig rule
+        problems.append("--rotary-interleaved does not work with --multi-latent-attention (megatron-core refuses "
+                        "the pair); drop --rotary-interleaved")
     if args.num_experts is not None and args.num_distributed_optimizer_instances > 1:
         problems.append("--num-experts with --num-distributed-optimizer-instances > 1 (MoE with HSDP) is not "
                         "wired in this launcher; use one optimizer instance")
@@ -572,6 +575,11 @@ def derive_fields(args: argparse.Namespace, world_size: int) -> None:
     if not args.group_query_attention:
         args.num_query_groups = args.num_attention_heads
     warnings += mla_flags.mla_warnings(args)
+    if args.rotary_interleaved and args.position_embedding_type != "rope" and not args.multi_latent_attention:
+        # Megatron-LM reads it only for rotary embeddings: ignored there without a word.
+        warnings.append(f"--rotary-interleaved has no effect with --position-embedding-type "
+                        f"{args.position_embedding_type} (no rotary embedding); add --position-embedding-type rope")
+        args.rotary_interleaved = False
     if args.recompute_activations:  # Megatron-LM's alias
         args.recompute_granularity = "selective"
     if args.recompute_granularity is None and (args.recompute_method or args.recompute_num_layers):
