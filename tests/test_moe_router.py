@@ -21,7 +21,6 @@ test_models_mcore.py.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import os
@@ -64,20 +63,11 @@ CASES = {
 }
 
 
-@contextlib.contextmanager
 def _mcore_on_cpu():
-    """test_models_mcore's CPU bridge, with megatron-core's process-wide aux-loss tracker
-    emptied before and after: its entries are sized by the first model's layer count, and
-    the pooled workers build models of several sizes."""
-    from megatron.core.transformer.moe import moe_utils
+    """test_models_mcore's CPU bridge (it empties megatron-core's aux-loss tracker)."""
     from test_models_mcore import _mcore_on_cpu as bridge
 
-    moe_utils.get_moe_layer_wise_logging_tracker().clear()
-    try:
-        with bridge():
-            yield
-    finally:
-        moe_utils.get_moe_layer_wise_logging_tracker().clear()
+    return bridge()
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -23,16 +23,16 @@ READS = ("tolist", "item", "__float__", "__int__", "__bool__", "cpu")
 
 
 @contextlib.contextmanager
-def count_host_reads():
-    """Host reads of tensors made by the training step's own code (the data sources
-    read host tensors of their own, which costs no sync)."""
+def count_host_reads(files=(STEP_FILE,)):
+    """Host reads of tensors made by the training step's own code, or by ``files`` (the
+    data sources read host tensors of their own, which costs no sync)."""
     counts = {"n": 0, "sites": []}
     originals = {name: getattr(torch.Tensor, name) for name in READS}
 
     def wrap(name, fn):
         def reader(self, *args, **kwargs):
             caller = sys._getframe(1).f_code.co_filename
-            if caller == STEP_FILE:
+            if caller in files:
                 counts["n"] += 1
                 counts["sites"].append(f"{name}@{os.path.basename(caller)}:{sys._getframe(1).f_lineno}")
             return fn(self, *args, **kwargs)
@@ -123,3 +123,50 @@ def test_megatron_core_balancing_loss_is_read_per_micro_batch():
     result = train_step(ctx, TrainState(), MockDataset(16, 8, seed=1))
     assert tracker.events == ["clear", "read"] * 3
     assert abs(result.load_balancing_loss - 1.5) < 1e-12  # mean over micro batches, one rank
+
+
+class _MoEGPT:
+    """The embedded MoE GPT as the training step drives it (no wrapper: no_sync is a no-op)."""
+
+    @staticmethod
+    def context(num_microbatches: int, aux_loss_coeff: float):
+        from megatron_fsdp.models import GPT, GPTConfig
+
+        class Model(GPT):
+            def no_sync(self):
+                return contextlib.nullcontext()
+
+        torch.manual_seed(0)
+        cfg = GPTConfig(num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=8, vocab_size=16,
+                        num_moe_experts=4, moe_router_topk=2, moe_aux_loss_coeff=aux_loss_coeff)
+        model = Model(cfg)
+
+        def loss_fn(inputs, targets):
+            logits = model(inputs)
+            return torch.nn.functional.cross_entropy(logits.reshape(-1, 16), targets.reshape(-1),
+                                                     reduction="sum"), targets.numel()
+
+        bundle = ModelBundle(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+                             loss_fn=loss_fn, is_fsdp=False, num_parameters=0)
+        schedule = LRSchedule(max_lr=1e-2, min_lr=0.0, warmup_steps=0, decay_steps=10, style=LRDecayStyle.CONSTANT)
+        return StepContext(bundle=bundle, schedule=schedule, scaler=None, device=torch.device("cpu"), clip_grad=1.0,
+                           layout=BatchLayout(micro_batch_size=2, num_microbatches=num_microbatches, dp_rank=0,
+                                              dp_size=1), per_token_loss=False, check_for_nan=True, seq_length=8)
+
+
+@pytest.mark.parametrize("aux_loss_coeff", [1e-2, 0.0])
+def test_moe_balancing_loss_costs_no_host_read(aux_loss_coeff):
+    """The embedded MoE GPT's logged balancing loss stays on the device (it used to be
+    copied to the host every micro batch); with a zero coefficient nothing is recorded
+    and nothing logged, as in Megatron-LM."""
+    gpt_file = sys.modules["megatron_fsdp.models.gpt"].__file__
+    ctx = _MoEGPT.context(3, aux_loss_coeff)
+    source, state = MockDataset(16, 8, seed=1), TrainState()
+    train_step(ctx, state, source)  # warm-up
+    with count_host_reads(files=(STEP_FILE, gpt_file)) as reads:
+        result = train_step(ctx, state, source)
+    assert reads["n"] == 1, reads["sites"]
+    if aux_loss_coeff:
+        assert 0.9 < result.load_balancing_loss < 4
+    else:
+        assert result.load_balancing_loss is None

@@ -101,17 +101,17 @@ class GPT(nn.Module):
     def moe_load_balancing_loss(self) -> torch.Tensor | None:
         """What Megatron-LM logs as ``load_balancing_loss`` for the latest training
         forward: each MoE layer's switch balancing loss *without* its coefficient
-        (1.0 for perfectly even routing), averaged over the MoE layers, detached.
-        Zero with ``moe_aux_loss_coeff=0`` (nothing is computed then, as in
-        Megatron-core); ``None`` for a dense model."""
+        (1.0 for perfectly even routing), averaged over the MoE layers, detached, on
+        the model's device (no host copy: the launcher reads it once per iteration).
+        ``None`` when nothing is recorded: a dense model, ``moe_aux_loss_coeff=0``, or a
+        balancing type without a loss (megatron-core's tracker then has no entry, and
+        Megatron-LM logs no such field)."""
         layers = self.moe_layers()
-        if not layers:
-            return None
         coeff = self.config.moe_aux_loss_coeff
         losses = [layer.last_aux_loss for layer in layers if layer.last_aux_loss is not None]
-        if coeff == 0 or not losses:
-            return torch.zeros(())
-        return torch.stack(losses).sum().float().cpu() / (coeff * len(layers))
+        if not layers or coeff == 0 or not losses:
+            return None
+        return torch.stack(losses).sum().float().detach() / (coeff * len(layers))
 
     def moe_aux_loss(self) -> torch.Tensor | None:
         """Sum over MoE layers of the load-balancing loss of the latest training

@@ -325,10 +325,10 @@ class McoreBalancingLoss:
         if entry is not None:
             entry["values"].zero_()
 
-    def __call__(self) -> torch.Tensor:
+    def __call__(self) -> "torch.Tensor | None":
         entry = self._tracker().get(self.name)
-        if entry is None:  # coefficient 0: megatron-core records nothing
-            return torch.zeros(())
+        if entry is None:  # coefficient 0 or no loss: megatron-core records nothing, Megatron-LM logs nothing
+            return None
         return entry["values"].detach().sum() / self.num_moe_layers
 
 

@@ -111,7 +111,8 @@ class _MicroBatchSums:
     nonfinite: torch.Tensor
     """How many micro batches had a NaN/Inf loss (float64, for one all-reduce with ``loss``)."""
     balancing: Optional[torch.Tensor] = None
-    """MoE: the sum over micro batches of the balancing loss (None: dense model)."""
+    """MoE: the sum over micro batches of the balancing loss (None: none recorded, as for
+    a dense model, a zero coefficient or a balancing type without a loss)."""
 
 
 def _forward_backward(ctx: StepContext, source: SampleSource, consumed: int) -> _MicroBatchSums:
@@ -151,7 +152,7 @@ def _forward_backward(ctx: StepContext, source: SampleSource, consumed: int) -> 
 def _moe_balancing_loss(ctx: StepContext) -> Optional[torch.Tensor]:
     """The MoE load-balancing loss of the forward just run, as Megatron-LM logs it (the
     embedded GPT's ``moe_load_balancing_loss`` or megatron-core's tracker: no
-    coefficient, mean over MoE layers); None for a dense model."""
+    coefficient, mean over MoE layers, on the device); None when none is recorded."""
     if ctx.bundle.moe_balancing is not None:
         return ctx.bundle.moe_balancing()
     module = getattr(ctx.bundle.model, "module", ctx.bundle.model)
