@@ -70,8 +70,6 @@ def mcore_train_worker(rank, world, *, strategy, extra=""):
         results = []
         for _ in range(STEPS):
             results.append(train_step(ctx, state, source))
-            state.iteration += 1
-            state.consumed_train_samples += ctx.layout.global_batch_size
         model = bundle.model
         if hasattr(model, "finish_param_sync"):
             model.finish_param_sync()

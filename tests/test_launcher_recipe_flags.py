@@ -37,8 +37,6 @@ def average_worker(rank, world, *, extra):
     source, state, losses = MockDataset(64, 16, seed=1), TrainState(), []
     for _ in range(3):
         losses.append(train_step(ctx, state, source).lm_loss)
-        state.iteration += 1
-        state.consumed_train_samples += ctx.layout.global_batch_size
     pipeline = getattr(bundle.model, "grad_reduce_pipeline", None)
     op = str(pipeline._op()) if pipeline is not None else "torch-ddp"
     return dict(losses=losses, op=op, path=args.dp_path.value)
