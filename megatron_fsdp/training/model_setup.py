@@ -367,20 +367,24 @@ def _wrap_megatron_fsdp(module: nn.Module, args, device: torch.device, unit_modu
         check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad,
         suggested_communication_unit_size=args.suggested_communication_unit_size,
         **_hsdp_kwargs(args, device),
-        **_expert_kwargs(module, device),
+        **_expert_kwargs(module, args, device),
     )
 
 
-def _expert_kwargs(module: nn.Module, device: torch.device) -> dict:
+def _expert_kwargs(module: nn.Module, args, device: torch.device) -> dict:
     """Expert parameters (MoE) go to the expert data-parallel group: with expert
-    parallel size 1 it spans the same ranks, on a mesh of its own."""
+    parallel size 1 it spans the same ranks, on a mesh of its own (with HSDP laid out
+    and named as the dense mesh of ``_hsdp_kwargs``: the same shard and outer groups)."""
     from megatron_fsdp.models import has_expert_parameters
 
     if not has_expert_parameters(module):
         return {}
-    world = dist.get_world_size()
-    mesh = init_device_mesh(device_mod.mesh_device_type(device), (world, 1), mesh_dim_names=("fsdp", "tp"))
-    return dict(expt_device_mesh=mesh)
+    world, outer = dist.get_world_size(), args.num_distributed_optimizer_instances
+    if outer > 1:
+        shape, names = (outer, world // outer, 1), ("dp_outer", "dp_shard", "tp")
+    else:
+        shape, names = (world, 1), ("fsdp", "tp")
+    return dict(expt_device_mesh=init_device_mesh(device_mod.mesh_device_type(device), shape, mesh_dim_names=names))
 
 
 def _hsdp_kwargs(args, device: torch.device) -> dict:

@@ -201,9 +201,6 @@ def _model_features(args, world_size) -> list[str]:
     if args.rotary_interleaved and args.multi_latent_attention:  # megatron-core's TransformerConfig rule
         problems.append("--rotary-interleaved does not work with --multi-latent-attention (megatron-core refuses "
                         "the pair); drop --rotary-interleaved")
-    if args.num_experts is not None and args.num_distributed_optimizer_instances > 1:
-        problems.append("--num-experts with --num-distributed-optimizer-instances > 1 (MoE with HSDP) is not "
-                        "wired in this launcher; use one optimizer instance")
     types = args.moe_router_load_balancing_type
     if isinstance(types, list) and len(types) > 1:
         problems.append(f"--moe-router-load-balancing-type {' '.join(types)}: combining balancing losses is not "
