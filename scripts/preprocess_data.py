@@ -61,7 +61,11 @@ def get_args(argv=None) -> argparse.Namespace:
     g.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_CHOICES)
     g.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: vocab.json.")
     g.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: merges.txt.")
-    g.add_argument("--tokenizer-model", default=None, help="HuggingFaceTokenizer: a local directory.")
+    g.add_argument("--tokenizer-model", default=None,
+                   help="HuggingFaceTokenizer: a local directory; GPTSentencePieceTokenizer, Llama2Tokenizer, "
+                        "SentencePieceTokenizer: a SentencePiece .model file (needs `pip install sentencepiece`).")
+    g.add_argument("--vocab-extra-ids", type=int, default=0,
+                   help="SentencePieceTokenizer only: add <extra_id_0>..<extra_id_{N-1}> tokens.")
     g.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer only.")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="Accepted for Megatron-LM compatibility; the .bin holds unpadded ids.")
@@ -111,7 +115,8 @@ def get_args(argv=None) -> argparse.Namespace:
 
 def _tokenizer(args):
     return build_tokenizer(args.tokenizer_type, vocab_file=args.vocab_file, merge_file=args.merge_file,
-                           tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size)
+                           tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size,
+                           vocab_extra_ids=args.vocab_extra_ids)
 
 
 def _is_jsonl(args, path: str) -> bool:

@@ -21,6 +21,10 @@ punctuation runs, whitespace), each word's UTF-8 bytes become stand-in character
 the lowest-ranked adjacent pair is merged until no listed merge applies. The encoder is
 our own; when the ``tokenizers`` package is installed it does the same job faster, and
 ``tests/test_tokenizers.py`` checks that both give the same ids.
+
+GPTSentencePieceTokenizer, Llama2Tokenizer and SentencePieceTokenizer read a SentencePiece
+``--tokenizer-model`` file with the optional ``sentencepiece`` package; they live in
+``sentencepiece_tokenizers.py`` (see its [Note: the three SentencePiece types]).
 """
 
 from __future__ import annotations
@@ -53,15 +57,22 @@ class TokenizerType(enum.Enum):
     """GPT-2 byte-level BPE from ``--vocab-file`` (vocab.json) and ``--merge-file`` (merges.txt)."""
     HUGGINGFACE = "HuggingFaceTokenizer"
     """``--tokenizer-model``: a local directory (or tokenizer.json) read by ``transformers`` or ``tokenizers``."""
+    GPT_SENTENCEPIECE = "GPTSentencePieceTokenizer"
+    """``--tokenizer-model`` SentencePiece file: its ids as they are, eod = its eos (needs ``sentencepiece``)."""
+    LLAMA2 = "Llama2Tokenizer"
+    """``--tokenizer-model`` SentencePiece file: bos then its ids, eod = its eos (needs ``sentencepiece``)."""
+    SENTENCEPIECE = "SentencePieceTokenizer"
+    """``--tokenizer-model`` SentencePiece file plus Megatron-LM's <CLS>/<SEP>/<EOD>/<MASK> tokens and
+    ``--vocab-extra-ids``; eod = <EOD> (needs ``sentencepiece``)."""
 
 
 # Megatron-LM accepts these too; they need files or libraries this project does not
 # read, so they are refused with a pointer to what works instead.
 UNSUPPORTED_TOKENIZERS = (
-    "BertWordPieceLowerCase", "BertWordPieceCase", "SentencePieceTokenizer",
-    "GPTSentencePieceTokenizer", "Llama2Tokenizer", "TikTokenizer", "MultimodalTokenizer",
+    "BertWordPieceLowerCase", "BertWordPieceCase", "TikTokenizer", "MultimodalTokenizer",
     "NullMultimodalTokenizer", "SFTTokenizer",
 )
+_SENTENCEPIECE_KINDS = (TokenizerType.GPT_SENTENCEPIECE, TokenizerType.LLAMA2, TokenizerType.SENTENCEPIECE)
 TOKENIZER_CHOICES = tuple(t.value for t in TokenizerType) + UNSUPPORTED_TOKENIZERS
 
 
@@ -401,6 +412,26 @@ def _load_tokenizer_json(path: str):
 
 
 # ---------------------------------------------------------------------------------
+# SentencePiece (megatron_fsdp/training/sentencepiece_tokenizers.py)
+
+
+def _sentencepiece_module():
+    """The sibling module, imported by file when this one was (scripts/preprocess_data.py loads
+    this file alone so that its workers never import the torch-importing package)."""
+    name = __name__.rpartition(".")[0] + ".sentencepiece_tokenizers"
+    if name in sys.modules:
+        return sys.modules[name]
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        name, os.path.join(os.path.dirname(os.path.abspath(__file__)), "sentencepiece_tokenizers.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+# ---------------------------------------------------------------------------------
 # Factory
 
 
@@ -412,8 +443,9 @@ def tokenizer_problems(tokenizer_type: str | None, *, vocab_file: str | None = N
         return []
     if tokenizer_type in UNSUPPORTED_TOKENIZERS:
         return [f"--tokenizer-type {tokenizer_type} is not supported here; use GPT2BPETokenizer (--vocab-file "
-                "--merge-file), HuggingFaceTokenizer (--tokenizer-model LOCAL_DIR), NullTokenizer (--vocab-size) "
-                "or ByteTokenizer"]
+                "--merge-file), HuggingFaceTokenizer (--tokenizer-model LOCAL_DIR), GPTSentencePieceTokenizer / "
+                "Llama2Tokenizer / SentencePieceTokenizer (--tokenizer-model FILE.model), NullTokenizer "
+                "(--vocab-size) or ByteTokenizer"]
     try:
         kind = TokenizerType(tokenizer_type)
     except ValueError:
@@ -432,6 +464,8 @@ def tokenizer_problems(tokenizer_type: str | None, *, vocab_file: str | None = N
         elif not os.path.exists(tokenizer_model):
             problems.append(f"--tokenizer-model {tokenizer_model!r}: no such directory (hub names are not "
                             "downloaded here; save the tokenizer to a local directory)")
+    elif kind in _SENTENCEPIECE_KINDS:
+        problems += _sentencepiece_module().sentencepiece_problems(kind.value, tokenizer_model)
     elif kind is TokenizerType.NULL and vocab_size is None:
         problems.append("--tokenizer-type NullTokenizer needs --vocab-size")
     return problems
@@ -439,10 +473,11 @@ def tokenizer_problems(tokenizer_type: str | None, *, vocab_file: str | None = N
 
 def build_tokenizer(tokenizer_type: str | TokenizerType, *, vocab_file: str | None = None,
                     merge_file: str | None = None, tokenizer_model: str | None = None,
-                    vocab_size: int | None = None) -> Tokenizer:
+                    vocab_size: int | None = None, vocab_extra_ids: int = 0) -> Tokenizer:
     """The tokenizer for Megatron-LM's ``--tokenizer-type`` and its file flags.
 
-    ``vocab_size`` is used by NullTokenizer only. The model's (padded) vocabulary is
+    ``vocab_size`` is used by NullTokenizer only, ``vocab_extra_ids`` by SentencePieceTokenizer
+    only. The model's (padded) vocabulary is
     ``vocab_size_with_padding(tokenizer.vocab_size, make_vocab_size_divisible_by)``.
     """
     value = tokenizer_type.value if isinstance(tokenizer_type, TokenizerType) else tokenizer_type
@@ -459,6 +494,13 @@ def build_tokenizer(tokenizer_type: str | TokenizerType, *, vocab_file: str | No
             return GPT2BPETokenizer(vocab_file, merge_file)
         case TokenizerType.HUGGINGFACE:
             return HuggingFaceTokenizer(tokenizer_model)
+        case TokenizerType.GPT_SENTENCEPIECE:
+            return _sentencepiece_module().GPTSentencePieceTokenizer(tokenizer_model)
+        case TokenizerType.LLAMA2:
+            return _sentencepiece_module().Llama2Tokenizer(tokenizer_model)
+        case TokenizerType.SENTENCEPIECE:
+            return _sentencepiece_module().SentencePieceTokenizer(tokenizer_model,
+                                                                  vocab_extra_ids=vocab_extra_ids or 0)
     raise AssertionError(value)  # every TokenizerType is matched above
 
 

@@ -93,7 +93,8 @@ def build_tokenizer_from_args(args):
     return build_tokenizer(kind, vocab_file=getattr(args, "vocab_file", None),
                            merge_file=getattr(args, "merge_file", None),
                            tokenizer_model=getattr(args, "tokenizer_model", None),
-                           vocab_size=getattr(args, "vocab_size", None))
+                           vocab_size=getattr(args, "vocab_size", None),
+                           vocab_extra_ids=getattr(args, "vocab_extra_ids", None) or 0)
 
 
 def build_datasets(args) -> tuple[SampleSource, SampleSource | None]:
