@@ -90,6 +90,8 @@ class _SentencePieceBase:
 
     @property
     def unique_identifiers(self) -> OrderedDict:
+        # tokenizers._TokenizerBase's, not inherited: this file is also loaded alone (by
+        # preprocess_data.py's workers) and must not import the torch-importing package.
         ident = OrderedDict(cls=f"{type(self).__module__}.{type(self).__qualname__}")
         ident.update(self._identity)
         return ident
