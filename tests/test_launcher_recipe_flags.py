@@ -147,3 +147,17 @@ def test_moe_with_hsdp_equals_ddp_every_iteration(tmp_path, outer):
         assert abs(x - y) <= TOL, f"iteration {it}: HSDP {x} vs DDP {y}"
     for x, y in zip(a["load_balancing_loss"], b["load_balancing_loss"]):
         assert abs(x - y) <= TOL
+
+
+def test_squared_relu_reaches_the_model_with_megatron_lms_rules():
+    """--squared-relu: GPTConfig.squared_relu (megatron-core parity: tests/test_models_mcore.py,
+    squared_relu and moe_squared_relu); refused with --swiglu and with the bias-GELU fusion
+    on, as Megatron-LM / megatron-core refuse them."""
+    from megatron_fsdp.training.model_setup import gpt_config_from_args
+
+    args = parse_args(shlex.split(BASE + "--squared-relu --disable-bias-linear"), world_size=1)
+    assert gpt_config_from_args(args).squared_relu is True
+    with pytest.raises(ArgumentError, match="--squared-relu and --swiglu"):
+        parse_args(shlex.split(BASE + "--squared-relu --swiglu --disable-bias-linear"), world_size=1)
+    with pytest.raises(ArgumentError, match="add --no-bias-gelu-fusion or --disable-bias-linear"):
+        parse_args(shlex.split(BASE + "--squared-relu"), world_size=1)

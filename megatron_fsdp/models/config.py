@@ -197,6 +197,8 @@ class GPTConfig:
     # -- architecture -----------------------------------------------------------------
     swiglu: bool = False
     """Gated SiLU MLP, silu(x W_gate) * (x W_up), instead of GELU."""
+    squared_relu: bool = False
+    """relu(x)^2 instead of GELU in the MLP (Megatron's ``--squared-relu``; not with swiglu)."""
     openai_gelu: bool = True
     """GELU by its tanh approximation (the formula of Megatron's fused bias-GELU
     kernel) instead of the exact erf GELU. True here, as this model always had. The
@@ -347,6 +349,7 @@ class GPTConfig:
         self._check_sizes()
         self._check_recompute()
         self._check_attention()
+        self._check_activation()
         self._check_regularisation()
         self._check_moe()
         self._check_mla()
@@ -426,6 +429,11 @@ class GPTConfig:
                     "non-zero number")
             if self.rotary_base <= 0:
                 raise ValueError(f"rotary_base={self.rotary_base} must be positive")
+
+    def _check_activation(self) -> None:
+        if self.squared_relu and self.swiglu:
+            raise ValueError("squared_relu=True and swiglu=True both choose the MLP's activation (Megatron-LM "
+                             "asserts not both); keep one")
 
     def _check_regularisation(self) -> None:
         for name in ("hidden_dropout", "attention_dropout"):

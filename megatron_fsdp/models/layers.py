@@ -93,7 +93,8 @@ def build_norm(cfg: GPTConfig, size: int) -> nn.Module:
 
 
 class MLP(nn.Module):
-    """The feed-forward branch: GELU (GPT) or gated SiLU (``swiglu``, Llama).
+    """The feed-forward branch: GELU (GPT), gated SiLU (``swiglu``, Llama) or relu^2
+    (``squared_relu``).
 
     With swiglu, ``fc`` produces [gate | up] side by side (Megatron's
     ``linear_fc1`` layout) and the output is proj(silu(gate) * up)."""
@@ -101,7 +102,7 @@ class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig, ffn_hidden_size: int | None = None) -> None:
         super().__init__()
         ffn = ffn_hidden_size or cfg.ffn_hidden_size
-        self.swiglu = cfg.swiglu
+        self.swiglu, self.squared_relu = cfg.swiglu, cfg.squared_relu
         self.gelu_approximate = "tanh" if cfg.openai_gelu else "none"
         self.fc = InitLinear(cfg.hidden_size, 2 * ffn if cfg.swiglu else ffn, bias=cfg.add_bias_linear,
                              std=cfg.init_method_std)
@@ -117,6 +118,8 @@ class MLP(nn.Module):
         if self.swiglu:
             gate, up = h.chunk(2, dim=-1)
             h = F.silu(gate) * up  # (..., ffn)
+        elif self.squared_relu:
+            h = F.relu(h).pow(2)
         else:
             h = F.gelu(h, approximate=self.gelu_approximate)
         if per_token_scale is None:

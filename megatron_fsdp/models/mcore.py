@@ -151,7 +151,11 @@ def _transformer_config(cfg: GPTConfig, args: argparse.Namespace, *, cross_entro
     changes: dict = {}
     if cross_entropy_loss_fusion:
         changes["cross_entropy_loss_fusion"] = True  # megatron-core's own fused loss (bf16 logits gradient)
-    if not cfg.swiglu and cfg.openai_gelu:
+    if cfg.squared_relu:
+        from megatron.core.activations import squared_relu
+
+        changes["activation_func"] = squared_relu  # Megatron-LM: --squared-relu
+    elif not cfg.swiglu and cfg.openai_gelu:
         changes["activation_func"] = _gelu_tanh  # the formula of Megatron's fused bias-GELU kernel
     if cfg.recompute_granularity is RecomputeGranularity.FULL:
         method, layers = cfg.recompute_plan

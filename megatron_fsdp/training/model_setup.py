@@ -108,6 +108,7 @@ class ModelFlag:
 
 MODEL_FLAG_FIELDS = (
     ModelFlag("swiglu", "swiglu", False),
+    ModelFlag("squared_relu", "squared_relu", False),
     ModelFlag("normalization", "normalization", "LayerNorm"),
     ModelFlag("layernorm_epsilon", "norm_epsilon", 1e-5),  # --norm-epsilon
     ModelFlag("position_embedding_type", "position_embedding_type", "learned_absolute"),

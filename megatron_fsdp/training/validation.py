@@ -198,6 +198,12 @@ def _model_features(args, world_size) -> list[str]:
         why = layer_freq_problem(freq, args.num_layers) if args.num_experts is not None and args.num_layers else None
         if why:
             problems.append(f"--moe-layer-freq {args.moe_layer_freq} {why}")
+    if args.squared_relu and args.swiglu:  # Megatron-LM's assertion
+        problems.append("--squared-relu and --swiglu both choose the MLP's activation; keep one")
+    elif args.squared_relu and args.add_bias_linear and args.bias_gelu_fusion:
+        # megatron-core's TransformerConfig: a fused bias-activation kernel exists for gelu and swiglu only.
+        problems.append("--squared-relu with the bias-GELU fusion on (Megatron-LM's default with biased linear "
+                        "layers): megatron-core refuses it; add --no-bias-gelu-fusion or --disable-bias-linear")
     if args.rotary_interleaved and args.multi_latent_attention:  # megatron-core's TransformerConfig rule
         problems.append("--rotary-interleaved does not work with --multi-latent-attention (megatron-core refuses "
                         "the pair); drop --rotary-interleaved")
