@@ -212,6 +212,18 @@ def next_batch(args, ctx: StepContext, state: TrainState, saver: "Saver", micro_
     return batch, dataclasses.replace(ctx, layout=layout)  # evaluation keeps ctx's --global-batch-size layout
 
 
+def write_iteration_dashboards(args, dash, state: TrainState, result, batch_size: int, balancing_name: str) -> None:
+    """One iteration's TensorBoard/W&B scalars: the MoE balancing loss every iteration (as
+    Megatron-core writes it), the training scalars every --tensorboard-log-interval."""
+    dashboards_mod.write_moe_scalars(dash, result.load_balancing_loss, state.iteration, balancing_name)
+    if state.iteration % args.tensorboard_log_interval == 0:
+        dashboards_mod.write_training_scalars(
+            dash, args, iteration=state.iteration, consumed_samples=state.consumed_train_samples,
+            lm_loss=None if result.skipped else result.lm_loss, learning_rate=result.learning_rate,
+            loss_scale=result.loss_scale, grad_norm=result.grad_norm, num_zeros=result.num_zeros,
+            params_norm=result.params_norm, batch_size=batch_size, skipped_samples=state.skipped_train_samples)
+
+
 def train(args, ctx: StepContext, state: TrainState, train_src, valid_src, metrics: MetricsRecorder,
           dash) -> tuple[Saver, bool]:
     """Run iterations until the budget (or an exit condition); returns the saver and
@@ -255,14 +267,7 @@ def train(args, ctx: StepContext, state: TrainState, train_src, valid_src, metri
         interval_flops += iteration_flops
         metrics.record(state.iteration, result)
         if dash.active:
-            dashboards_mod.write_moe_scalars(dash, result.load_balancing_loss, state.iteration, balancing_name)
-        if dash.active and state.iteration % args.tensorboard_log_interval == 0:
-            dashboards_mod.write_training_scalars(
-                dash, args, iteration=state.iteration, consumed_samples=state.consumed_train_samples,
-                lm_loss=None if result.skipped else result.lm_loss, learning_rate=result.learning_rate,
-                loss_scale=result.loss_scale, grad_norm=result.grad_norm, num_zeros=result.num_zeros,
-                params_norm=result.params_norm, batch_size=batch.running_global_batch_size,
-                skipped_samples=state.skipped_train_samples)
+            write_iteration_dashboards(args, dash, state, result, batch.running_global_batch_size, balancing_name)
         # Megatron-LM logs the first iteration of a run (without resetting the
         # interval sums) and then every --log-interval iterations.
         if logs:

@@ -165,22 +165,17 @@ def _module(ctx: StepContext) -> torch.nn.Module:
 
 
 def _finalize_model_grads(ctx: StepContext) -> None:
-    """Megatron-LM's ``finalize_model_grads`` after the last backward: the wrapper's
-    ``finish_grad_sync()`` (Megatron-core's ``FullyShardedDataParallel`` defers every
-    gradient sync until it is called, as upstream; ``fully_shard_model`` has synced at
-    the last micro batch already and returns at once), then the MoE routers' step."""
+    """Megatron-LM's ``finalize_model_grads``, once per global batch after the last
+    backward and before the optimizer step (also of a step that is then skipped):
+    - the wrapper's ``finish_grad_sync()`` (Megatron-core's ``FullyShardedDataParallel``
+      defers every gradient sync until it is called, as upstream; ``fully_shard_model``
+      has synced at the last micro batch already and returns at once);
+    - the MoE routers: expert biases updated from the tokens per expert summed over the
+      data-parallel ranks (here every rank: tensor, pipeline and context parallel sizes
+      are 1), global-aux-loss counts reset (models/router.py, [Note: expert bias])."""
     finish = getattr(ctx.bundle.model, "finish_grad_sync", None)
     if finish is not None:
         finish()
-    _finish_moe_global_batch(ctx)
-
-
-def _finish_moe_global_batch(ctx: StepContext) -> None:
-    """MoE routers, once per global batch after the last backward and before the optimizer
-    step (also of a step that is then skipped), as megatron-core's ``finalize_model_grads``:
-    expert biases updated from the tokens per expert summed over the data-parallel ranks
-    (here every rank: tensor, pipeline and context parallel sizes are 1), global-aux-loss
-    counts reset. See megatron_fsdp/models/router.py, [Note: expert bias]."""
     finish_global_batch(_module(ctx))
 
 

@@ -568,6 +568,42 @@ def derive_fields(args: argparse.Namespace, world_size: int) -> None:
     if args.use_megatron_fsdp and not args.use_distributed_optimizer:
         # Megatron-LM turns the distributed optimizer on itself (and warns).
         args.use_distributed_optimizer = True
+    _derive_model_fields(args, warnings)
+    if args.grad_reduce_in_bf16 and args.megatron_fsdp_grad_comm_dtype == "auto":
+        args.megatron_fsdp_grad_comm_dtype = "bf16"
+    args.split = args.split.strip().strip("'\"")
+    args.precision = Precision.BF16 if args.bf16 else Precision.FP16 if args.fp16 else Precision.FP32
+    args.dp_path = _data_parallel_path(args)
+    if args.dp_path is DataParallelPath.MEGATRON_DDP:
+        _megatron_ddp_fields(args)
+    args.zero_strategy = ShardingStrategy.parse(args.data_parallel_sharding_strategy)
+    args.outer_strategy = ShardingStrategy.parse(args.outer_dp_sharding_strategy)
+    args.lr_decay = LRDecayStyle(args.lr_decay_style)
+    if args.tokenizer_type is None:
+        args.tokenizer_type = (TokenizerType.NULL.value if args.mock_data and args.vocab_size is not None
+                               else TokenizerType.BYTE.value)
+    if args.tokenizer_type == TokenizerType.BYTE.value:
+        args.vocab_size = BYTE_VOCAB_SIZE
+    # Megatron-LM's NullTokenizer (megatron.core.tokenizers) has exactly --vocab-size ids,
+    # its end-of-document token being the last of them (the legacy one added an id after).
+    args.padded_vocab_size = (padded_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by)
+                              if args.vocab_size is not None else None)
+    if args.plot_path is not None and args.plot_path.lower() == "none":
+        args.plot_path = None
+    # Megatron-LM: dynamic loss scaling treats Inf/NaN gradients as a signal, not an error.
+    if args.fp16 and args.loss_scale is None:
+        args.check_for_nan_in_loss_and_grad = False
+    if args.tensorboard_dir and importlib.util.find_spec("tensorboard") is None:
+        warnings.append(f"--tensorboard-dir {args.tensorboard_dir}: the tensorboard package is not installed, so no "
+                        "TensorBoard events will be written; `pip install tensorboard` (scripts/setup_env.sh does)")
+    if args.wandb_project and importlib.util.find_spec("wandb") is None:
+        warnings.append(f"--wandb-project {args.wandb_project}: the wandb package is not installed, so nothing is "
+                        "logged to Weights & Biases; `pip install wandb` (and WANDB_MODE=offline without a login)")
+
+
+def _derive_model_fields(args: argparse.Namespace, warnings: list[str]) -> None:
+    """Megatron-LM's derived model sizes and the model flags' single values (part of
+    ``derive_fields``); flags without effect in the combination given add a warning."""
     if args.ffn_hidden_size is None:
         # Megatron-LM's default: 4 x hidden, or with --swiglu two thirds of it rounded
         # down to a multiple of 64 (the gate doubles the first projection).
@@ -599,36 +635,6 @@ def derive_fields(args: argparse.Namespace, world_size: int) -> None:
                         "this (its fused bias-GELU kernel takes no routing weights); here every MLP, experts "
                         "included, uses that kernel's tanh GELU. Add --no-bias-gelu-fusion for the exact GELU that "
                         "Megatron-LM then runs (or --swiglu)")
-    if args.grad_reduce_in_bf16 and args.megatron_fsdp_grad_comm_dtype == "auto":
-        args.megatron_fsdp_grad_comm_dtype = "bf16"
-    args.split = args.split.strip().strip("'\"")
-    args.precision = Precision.BF16 if args.bf16 else Precision.FP16 if args.fp16 else Precision.FP32
-    args.dp_path = _data_parallel_path(args)
-    if args.dp_path is DataParallelPath.MEGATRON_DDP:
-        _megatron_ddp_fields(args)
-    args.zero_strategy = ShardingStrategy.parse(args.data_parallel_sharding_strategy)
-    args.outer_strategy = ShardingStrategy.parse(args.outer_dp_sharding_strategy)
-    args.lr_decay = LRDecayStyle(args.lr_decay_style)
-    if args.tokenizer_type is None:
-        args.tokenizer_type = (TokenizerType.NULL.value if args.mock_data and args.vocab_size is not None
-                               else TokenizerType.BYTE.value)
-    if args.tokenizer_type == TokenizerType.BYTE.value:
-        args.vocab_size = BYTE_VOCAB_SIZE
-    # Megatron-LM's NullTokenizer (megatron.core.tokenizers) has exactly --vocab-size ids,
-    # its end-of-document token being the last of them (the legacy one added an id after).
-    args.padded_vocab_size = (padded_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by)
-                              if args.vocab_size is not None else None)
-    if args.plot_path is not None and args.plot_path.lower() == "none":
-        args.plot_path = None
-    # Megatron-LM: dynamic loss scaling treats Inf/NaN gradients as a signal, not an error.
-    if args.fp16 and args.loss_scale is None:
-        args.check_for_nan_in_loss_and_grad = False
-    if args.tensorboard_dir and importlib.util.find_spec("tensorboard") is None:
-        warnings.append(f"--tensorboard-dir {args.tensorboard_dir}: the tensorboard package is not installed, so no "
-                        "TensorBoard events will be written; `pip install tensorboard` (scripts/setup_env.sh does)")
-    if args.wandb_project and importlib.util.find_spec("wandb") is None:
-        warnings.append(f"--wandb-project {args.wandb_project}: the wandb package is not installed, so nothing is "
-                        "logged to Weights & Biases; `pip install wandb` (and WANDB_MODE=offline without a login)")
 
 
 def _data_parallel_path(args) -> DataParallelPath:
