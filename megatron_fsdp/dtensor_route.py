@@ -146,7 +146,12 @@ def torch_function_route(guard: Guard, autograd_message: str | None = None):
             raise RuntimeError(autograd_message)
         with torch._C.DisableTorchFunctionSubclass():
             if getattr(func, "__name__", None) == "__get__":
-                return func(*args, **kwargs)  # a property read (.grad, .shape): no op to guard
+                out = func(*args, **kwargs)  # a property read (.grad, .shape): no op to guard
+                if type(out) is not DTensor:
+                    return out
+                # A DTensor computed by the read (.data, .T, .mT): the fast path made a
+                # plain DTensor, which every later op would compute unguarded (p.data.view()
+                # reinterpreting a flat piece). Read it again under the guard.
             with _GuardMode(cls, guard):
                 return func(*args, **kwargs)
 

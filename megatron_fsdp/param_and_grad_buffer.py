@@ -38,7 +38,7 @@ from .enums import ShardingStrategy
 from .layout import BucketLayout
 from .marks import is_expert_param, is_fsdp_no_shard, restore_marks
 from .mixed_precision import MixedPrecisionPolicy
-from .piece_dtensor import piece_dtensor
+from .piece_dtensor import FLAT_START_ATTR, piece_dtensor
 from .units import plan_merge
 from .unsynced_grad import unsynced_grad
 from .utils import make_fsdp_dtensor  # noqa: F401  upstream's home of it: Megatron-LM imports it from here
@@ -350,6 +350,10 @@ class ParamAndGradBuffer:
             if hasattr(compute, attr):
                 setattr(dist_param, attr, getattr(compute, attr))
         restore_marks(dist_param, is_fsdp_no_shard(compute))
+        if group.strategy.shards_optimizer:
+            # Where the piece sits in the whole parameter, for random fills (piece_dtensor.py
+            # [Note: random fills of pieces]).
+            setattr(dist_param, FLAT_START_ATTR, group.local_flat_start(index))
         return dist_param
 
     def _optimizer_view(self, group: ParameterGroup, buffer: DataParallelBuffer, index: int) -> torch.Tensor:

@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor, Partial, Shard
 
 from . import dtensor_route
 
-__all__ = ["AUTOGRAD_INPUTS_MESSAGE", "EXTREME_NORMS", "PieceDTensor", "is_flat_piece", "piece_dtensor",
+__all__ = ["AUTOGRAD_INPUTS_MESSAGE", "EXTREME_NORMS", "FLAT_START_ATTR", "PieceDTensor", "RANDOM_FILLS", "is_flat_piece", "piece_dtensor",
            "stand_in_for_empty_locals"]
 
 aten = torch.ops.aten
@@ -93,6 +93,77 @@ def _classify(func) -> _Kind:
     return _Kind.REFUSED
 
 
+# [Note: random fills of pieces] ``nn.init.normal_`` / ``uniform_`` (and the inits built
+# on them: xavier, kaiming, trunc_normal_) on a sharded parameter after wrapping (a
+# model built on the meta device and initialised after ``fully_shard``, as FSDP2 users
+# do, or HF's ``_init_weights`` applied late) would draw only the piece's numbers, so
+# the weights would differ from the same init of the unwrapped model. Instead the op
+# draws the whole parameter, as the unwrapped model would (same RNG stream and
+# consumption), and keeps this rank's piece: with the same RNG state on every rank
+# (``torch.manual_seed`` on each), every rank draws the same tensor and the weights
+# equal the unwrapped init bit for bit. The piece's offset in the parameter's flat
+# order is set on the distributed parameter (``FLAT_START_ATTR``) and follows it
+# through ``.data`` / ``detach()``; a piece without it (a gradient, an optimizer
+# state) is refused. The temporary is one parameter's full size (init time only).
+RANDOM_FILLS = {
+    aten.normal_.default, aten.uniform_.default, aten.bernoulli_.float, aten.bernoulli_.Tensor,
+    aten.exponential_.default, aten.geometric_.default, aten.log_normal_.default, aten.cauchy_.default,
+    aten.random_.default, getattr(aten.random_, "from"), aten.random_.to,
+}
+FLAT_START_ATTR = "_megatron_fsdp_flat_start"
+_ALIASES = {aten.detach.default, aten.alias.default}
+
+_RANDOM_FILL_REFUSED = (
+    "{func} on a sharded tensor that is not a distributed parameter (a gradient or an optimizer "
+    "state: this rank's flat piece, with no place in a whole tensor to draw from) is refused; "
+    "initialise parameters through model.parameters() (their random fills equal the unwrapped "
+    "model's), or fill the tensor elementwise (zero_(), fill_(), mul_())"
+)
+
+
+_TRUNC_NORMAL_REFUSED = (
+    "torch.nn.init.trunc_normal_ on a sharded parameter after wrapping is refused (nothing was "
+    "written): torch draws it by rejection, redrawing until every element of the whole tensor is in "
+    "range, a loop over values no rank holds. Fix: initialise before wrapping, or build on the meta "
+    "device with init_model_with_meta_device=True (each module's reset_parameters() then writes the "
+    "shards, equal to an eager build), or use nn.init.normal_ followed by clamp_ (both exact here)"
+)
+
+
+_INIT_REFUSED = (
+    "torch.nn.init.{name} on a sharded parameter after wrapping is refused: it needs {func} over the "
+    "whole tensor, which no rank holds. Fix: initialise before wrapping, or build "
+    "on the meta device with init_model_with_meta_device=True (each module's reset_parameters() then "
+    "writes the shards, equal to an eager build); normal_, uniform_, xavier_*, kaiming_* and constant "
+    "fills work after wrapping"
+)
+
+
+def _init_caller(frame, depth: int = 12) -> str | None:
+    """The torch.nn.init function among the ``depth`` nearest callers, if any."""
+    while frame is not None and depth > 0:
+        if frame.f_globals.get("__name__") == "torch.nn.init":
+            return frame.f_code.co_name
+        frame, depth = frame.f_back, depth - 1
+    return None
+
+
+def _fill_piece_at_random(func, args, kwargs):
+    """[Note: random fills of pieces]."""
+    piece = args[0]
+    start = getattr(piece, FLAT_START_ATTR, None)
+    if start is None:
+        raise NotImplementedError(_RANDOM_FILL_REFUSED.format(func=func))
+    if _init_caller(sys._getframe(1)) == "_no_grad_trunc_normal_":
+        raise NotImplementedError(_TRUNC_NORMAL_REFUSED)
+    local = piece._local_tensor
+    whole = torch.empty(piece.shape, dtype=local.dtype, device=local.device)
+    func(whole, *args[1:], **kwargs)
+    with torch.no_grad():
+        local.copy_(whole.reshape(-1)[start:start + local.numel()])
+    return piece
+
+
 def _is_full_reduction(func, args, kwargs) -> bool:
     dims = kwargs.get("dim", args[2] if func is aten.linalg_vector_norm.default and len(args) > 2 else None)
     return dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0)
@@ -140,12 +211,17 @@ def _guard(func, types, args, kwargs, base):
         return _guard(aten.div.Scalar, types, (total, args[0].numel()), {}, base)
     if func in EXTREME_NORMS:
         args, kwargs = stand_in_for_empty_locals(func, args, kwargs, PieceDTensor)
+    if func in RANDOM_FILLS:
+        return _fill_piece_at_random(func, args, kwargs)
     kind = _KINDS.get(func)
     if kind is None:
         kind = _KINDS[func] = _classify(func)
     if kind is _Kind.REDUCTION and not _is_full_reduction(func, args, kwargs):
         kind = _Kind.REFUSED
     if kind is _Kind.REFUSED:
+        init = _init_caller(sys._getframe(1))
+        if init is not None:  # orthogonal_, sparse_, eye_, dirac_: say which init and what to do
+            raise NotImplementedError(_INIT_REFUSED.format(name=init.removeprefix("_no_grad_"), func=func))
         raise NotImplementedError(f"{func}: " + _REMEDY.format(what="it"))
     out = base(func, types, args, kwargs)
     if kind is _Kind.REDUCTION and type(out) is DTensor:
@@ -270,7 +346,10 @@ def _rewrap_outputs(out, func, args, kwargs):
         # The i-th output comes from the i-th tensor of the first list.
         return type(out)(_rewrap_like(o, a) for o, a in zip(out, args[0]))
     if args and isinstance(args[0], PieceDTensor) and isinstance(out, DTensor):
-        return _rewrap_like(out, args[0])  # the common case: a method on a piece
+        out = _rewrap_like(out, args[0])  # the common case: a method on a piece
+        if func in _ALIASES and hasattr(args[0], FLAT_START_ATTR):  # ``param.data``
+            setattr(out, FLAT_START_ATTR, getattr(args[0], FLAT_START_ATTR))
+        return out
     return _rewrap(out, _piece_specs(args, kwargs))
 
 
