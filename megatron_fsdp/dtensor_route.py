@@ -136,6 +136,17 @@ def autograd_refusal(message: str):
     return classmethod(__torch_function__)
 
 
+_COMPUTED_PROPERTIES = frozenset({"data", "T", "mT", "H", "mH", "real", "imag"})
+"""Tensor properties whose read runs an op making a new tensor: unguarded, the fast path
+made them plain DTensors over the piece (``p.data.view(-1)`` reinterpreted it, ``p.T``
+permuted a 1-D piece), so they are read under the guard like any call."""
+
+
+def _property_name(getter) -> str | None:
+    """``"data"`` for ``Tensor.data.__get__`` (its descriptor's name)."""
+    return getattr(getattr(getter, "__self__", None), "__name__", None)
+
+
 def torch_function_route(guard: Guard, autograd_message: str | None = None):
     """The subclass's ``__torch_function__`` (the ``TORCH_FUNCTION`` route);
     ``autograd_message``: refuse the autograd entry points with it."""
@@ -145,13 +156,8 @@ def torch_function_route(guard: Guard, autograd_message: str | None = None):
         if autograd_message is not None and func in AUTOGRAD_ENTRY_POINTS:
             raise RuntimeError(autograd_message)
         with torch._C.DisableTorchFunctionSubclass():
-            if getattr(func, "__name__", None) == "__get__":
-                out = func(*args, **kwargs)  # a property read (.grad, .shape): no op to guard
-                if type(out) is not DTensor:
-                    return out
-                # A DTensor computed by the read (.data, .T, .mT): the fast path made a
-                # plain DTensor, which every later op would compute unguarded (p.data.view()
-                # reinterpreting a flat piece). Read it again under the guard.
+            if getattr(func, "__name__", None) == "__get__" and _property_name(func) not in _COMPUTED_PROPERTIES:
+                return func(*args, **kwargs)  # a property read (.grad, .shape): no op to guard
             with _GuardMode(cls, guard):
                 return func(*args, **kwargs)
 

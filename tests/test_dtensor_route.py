@@ -41,6 +41,7 @@ _ROUTED_TESTS = [
     "tests/test_experimental_dtensor.py",
     "tests/test_registered_params.py::test_dtensor_apis_on_parameters_are_exact_or_refused",
     "tests/test_patterns_amp.py::test_grad_scaler_skips_the_step_on_every_rank",
+    "tests/test_post_wrap_init.py",
 ]
 
 

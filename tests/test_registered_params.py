@@ -409,6 +409,10 @@ def dtensor_api_worker(rank, world, *, strategy):
     refused = {}
     for name, call in {"full_tensor": lambda: weight.full_tensor(), "t": lambda: weight.t(),
                        "sum_dim": lambda: weight.sum(dim=0), "view": lambda: weight.view(-1),
+                       # property reads make new DTensors (torch 2.10/2.11's fast path made them
+                       # plain, unguarded ones: .data.view() reinterpreted the piece)
+                       "data_view": lambda: weight.data.view(-1), "T": lambda: weight.T,
+                       "data_full_tensor": lambda: weight.data.full_tensor(),
                        "state_full_tensor": lambda: opt.state[weight]["exp_avg"].full_tensor(),
                        # upstream's helper, which Megatron-LM calls on parameters: it raised
                        # torch's "expanded size" error here
