@@ -209,6 +209,9 @@ def meta_init_worker(rank, world, *, steps=3):
             module.reset_parameters()
     no_meta = not any(p.is_meta for p in model.parameters())
     initial = full_state_dict(model)
+    torch.manual_seed(7)
+    eager_init = Net(d=8, depth=3).state_dict()  # an unsharded build draws the same numbers
+    init_diff = max((initial[k] - v).abs().max().item() for k, v in eager_init.items())
     # Single-process reference from the very weights the sharded init produced.
     eager = Net(d=8, depth=3)
     eager.load_state_dict(initial)
@@ -219,6 +222,7 @@ def meta_init_worker(rank, world, *, steps=3):
     train_sharded(model, context, batches, "adamw", rank, world)
     return {
         "no_meta": no_meta,
+        "init_diff": init_diff,
         "bound_ok": bound_ok,
         "distinct": distinct,
         "initial": initial["blocks.0.fc1.weight"],
@@ -589,6 +593,9 @@ def test_meta_device_init_via_reset_parameters(pool):
     results = pool.run(meta_init_worker)
     for result in results:
         assert result["no_meta"] and result["bound_ok"] and result["distinct"], result
+        # Each rank's rows are its part of the whole draw: before, every rank filled its
+        # rows from the same RNG state, so the row blocks were copies of each other.
+        assert result["init_diff"] == 0.0, result["init_diff"]
         assert result["diff"] < TOL, result
     assert all(torch.equal(results[0]["initial"], r["initial"]) for r in results)
 

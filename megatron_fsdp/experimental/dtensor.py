@@ -43,7 +43,7 @@ from torch.distributed.tensor.placement_types import Placement
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .. import dtensor_route
-from ..piece_dtensor import AUTOGRAD_INPUTS_MESSAGE, EXTREME_NORMS, is_foreach, stand_in_for_empty_locals
+from ..piece_dtensor import AUTOGRAD_INPUTS_MESSAGE, EXTREME_NORMS, RANDOM_FILLS, is_foreach, stand_in_for_empty_locals
 from .placement import Flat
 
 __all__ = ["FlatDTensor", "FlatSpec", "flat_dtensor"]
@@ -83,6 +83,8 @@ def _guard(func, types, args, kwargs, base):
     if func in EXTREME_NORMS:  # an inf norm over ranks holding no rows
         args, kwargs = stand_in_for_empty_locals(func, args, kwargs, FlatDTensor)
     flats = _flat_axes((args, kwargs))
+    if func in RANDOM_FILLS and flats and isinstance(args[0], DTensor):
+        return _fill_rows_at_random(func, args, kwargs)
     if func in _MEAN:
         return _exact_mean(args, kwargs, types, base)
     _refuse_before(func, args, flats)
@@ -275,6 +277,45 @@ def _extent(flat: Flat, t: DTensor, axis: int) -> tuple[int, int]:
     if flat.nested is not None:
         return flat.nested.total, flat.nested.local_rows
     return sum(flat.rows), flat.rows[t.device_mesh.get_local_rank(axis)]
+
+
+def _fill_rows_at_random(func, args, kwargs):
+    """``normal_`` / ``uniform_`` (``nn.init``, ``reset_parameters()`` after
+    ``fully_shard``) on Flat rows: DTensor fills each rank's rows from its own RNG, so
+    with the same seed everywhere every rank drew the same numbers and the weight's
+    row blocks came out as copies of each other. Draw the whole tensor instead, as the
+    unsharded module would (same RNG stream and consumption), and keep this rank's
+    rows: equal to the unsharded init when every rank has the same RNG state
+    (piece_dtensor.py [Note: random fills of pieces] does the same for the main engine)."""
+    t = args[0]
+    offset = _row_offset(t)
+    if offset is None:
+        raise NotImplementedError(
+            f"{func} on a DTensor placed {t.placements}: random fills are drawn whole and split by Flat rows "
+            "here, and this placement has other splits; fill its full tensor and distribute it instead"
+        )
+    local = t._local_tensor
+    whole = torch.empty(t.shape, dtype=local.dtype, device=local.device)
+    func(whole, *args[1:], **kwargs)
+    with torch.no_grad():
+        local.copy_(whole[offset:offset + local.size(0)])  # advances the version (stale compute weights)
+    return t
+
+
+def _row_offset(t: DTensor):
+    """Index of this rank's first dim-0 row in the whole tensor (``None``: a split
+    other than Flat rows and replication)."""
+    offset = 0
+    for axis, p in enumerate(t.placements):
+        if isinstance(p, Flat):
+            if p.nested is not None:
+                return p.nested.offset
+            if p.rows is None:
+                return None
+            offset += sum(p.rows[:t.device_mesh.get_local_rank(axis)])
+        elif not isinstance(p, Replicate):
+            return None
+    return offset
 
 
 def _exact_mean(args, kwargs, types, base):
