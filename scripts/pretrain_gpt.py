@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_fsdp import device as device_mod
-from megatron_fsdp.training import checkpointing, determinism
+from megatron_fsdp.training import checkpointing, determinism, torch_checkpoint
 from megatron_fsdp.models.config import MoELoadBalancing
 from megatron_fsdp.training.arg_types import DataParallelPath
 from megatron_fsdp.training.arguments import ArgumentError, parse_args
@@ -83,6 +83,9 @@ def describe_run(args, device: torch.device, num_parameters: int) -> None:
         optimizer = "distributed optimizer" if args.use_distributed_optimizer else "optimizer"
         wrapper = (f"Megatron-core DDP + {optimizer} on Megatron-FSDP's {args.zero_strategy.label} ("
                    f"{args.megatron_fsdp_main_grads_dtype} gradients, fp32 main weights{hsdp})")
+    elif args.dp_path is DataParallelPath.TORCH_FSDP2:
+        reshard = "" if args.torch_fsdp2_reshard_after_forward else ", no reshard after forward"
+        wrapper = f"PyTorch FSDP2 (fully_shard{reshard})"
     else:
         wrapper = "PyTorch DistributedDataParallel"
     data = "mock data" if args.mock_data else ", ".join(args.data_path or ["data/corpus.txt"])
@@ -98,6 +101,11 @@ def describe_run(args, device: torch.device, num_parameters: int) -> None:
         logger.info("> batch size rampup from global batch size %d to %d in increments of %d over %d samples "
                     "(%d iterations in all)", ramp.start, args.global_batch_size, ramp.increment, ramp.ramp_samples,
                     args.train_iters)
+    steps = args.batch_schedule.steps
+    if steps is not None:  # thresholds are tokens of --seq-length, as in Megatron-LM
+        logger.info("> step batch size schedule %r (%d iterations in all): %s", steps.text, args.train_iters,
+                    ", ".join(f"{s.global_batch_size} from {s.samples} samples ({s.samples * args.seq_length} tokens)"
+                              for s in steps.steps))
 
 
 def checkpoint_extra_state(ctx: StepContext, state: TrainState) -> dict:
@@ -112,9 +120,14 @@ def checkpoint_extra_state(ctx: StepContext, state: TrainState) -> dict:
 def restore(args, ctx: StepContext, state: TrainState) -> None:
     """Megatron-LM's resume: weights always; optimizer unless --no-load-optim or
     --finetune; progress, schedule and loss scale unless --finetune; RNG unless
-    --no-load-rng or --finetune."""
+    --no-load-rng or --finetune. The format is the one on disk, whatever --ckpt-format
+    says (as Megatron-LM's loader tells them apart)."""
     optimizer = None if (args.no_load_optim or args.finetune) else ctx.bundle.optimizer
-    extra = checkpointing.load(args.load, ctx.bundle.model, optimizer, step=args.ckpt_step)
+    if torch_checkpoint.holds_checkpoint(args.load, args.ckpt_step):
+        extra = torch_checkpoint.load(args.load, ctx.bundle.model, optimizer, step=args.ckpt_step,
+                                      finetune=args.finetune)
+    else:
+        extra = checkpointing.load(args.load, ctx.bundle.model, optimizer, step=args.ckpt_step)
     if not extra:
         return
     if args.finetune:
@@ -133,8 +146,8 @@ def maybe_evaluate(args, ctx, state, valid_src, metrics, dash) -> None:
     split (each evaluation moves on; the position is checkpointed with the progress)."""
     if valid_src is None or args.eval_iters == 0:
         return
-    # ctx.layout is --global-batch-size's whatever the ramp-up is at (Megatron-LM's evaluation
-    # batch size defaults to it).
+    # ctx.layout is --global-batch-size's whatever the ramp-up or step schedule is at
+    # (Megatron-LM's evaluation batch size defaults to it; micro batch x DP with a step schedule).
     loss = evaluate(ctx, valid_src, args.eval_iters, state.consumed_valid_samples)
     state.consumed_valid_samples += args.eval_iters * args.global_batch_size
     log_validation(state.iteration, loss)
@@ -157,6 +170,9 @@ class Saver:
         extra = checkpoint_extra_state(self.ctx, state)
         if self.async_saver is not None:
             self.async_saver.save(self.args.save, state.iteration, bundle.model, bundle.optimizer, extra)
+        elif torch_checkpoint.CheckpointFormat(self.args.ckpt_format) is torch_checkpoint.CheckpointFormat.TORCH:
+            torch_checkpoint.save(self.args.save, state.iteration, bundle.model, bundle.optimizer, extra, self.args,
+                                  retain_interval=self.args.save_retain_interval)
         else:
             checkpointing.save(self.args.save, state.iteration, bundle.model, bundle.optimizer, extra,
                                retain_interval=self.args.save_retain_interval)
@@ -169,7 +185,8 @@ class Saver:
 
 def log_iteration(args, ctx, state, result, stats, interval_flops, dash, global_batch_size: int) -> None:
     """``interval_flops``: the FLOPs of the iterations ``stats`` covers (their batches may
-    differ under --rampup-batch-size); ``global_batch_size``: the latest iteration's."""
+    differ under --rampup-batch-size / --step-batch-size-schedule); ``global_batch_size``:
+    the latest iteration's."""
     throughput = None
     if args.log_throughput:
         throughput = interval_flops / max(stats.elapsed_s, 1e-9) / args.world_size / 1e12
@@ -194,17 +211,19 @@ def log_iteration(args, ctx, state, result, stats, interval_flops, dash, global_
 
 def next_batch(args, ctx: StepContext, state: TrainState, saver: "Saver", micro_batches: int):
     """The coming iteration's batch and its step context (Megatron-LM's
-    ``update_num_microbatches``): with --rampup-batch-size the micro batches per rank
-    follow the consumed samples, and when their number changes from ``micro_batches``
-    (the previous iteration's) Megatron-LM saves a checkpoint first (with --save)."""
+    ``update_num_microbatches``): with --rampup-batch-size or --step-batch-size-schedule
+    the micro batches per rank follow the consumed samples, and when their number
+    changes from ``micro_batches`` (the previous iteration's) Megatron-LM saves a
+    checkpoint first (with --save)."""
     batch = args.batch_schedule.at(state.consumed_train_samples)
     if batch.num_microbatches != micro_batches:
-        if batch.num_microbatches < micro_batches:  # the ramp only grows
+        if batch.num_microbatches < micro_batches:  # refused up front (BatchSchedule.first_problem)
             raise RuntimeError(f"micro batches per rank went from {micro_batches} down to {batch.num_microbatches} "
                                f"at {state.consumed_train_samples} consumed samples")
         if args.save and state.iteration != 0 and saver.last_saved != state.iteration:
             saver.save(state)
-        logger.info("ramping up batch size to %d (%d micro batches per rank)", batch.running_global_batch_size,
+        logger.info("%s batch size to %d (%d micro batches per rank)",
+                    "stepping" if args.batch_schedule.steps else "ramping up", batch.running_global_batch_size,
                     batch.num_microbatches)
     if batch.num_microbatches == ctx.layout.num_microbatches:
         return batch, ctx
@@ -323,7 +342,7 @@ def run(args, device: torch.device) -> int:
         if state.iteration:
             logger.info("> resuming at iteration %d, %d samples consumed", state.iteration,
                         state.consumed_train_samples)
-    # A resumed run continues the ramp from its consumed samples; the remaining batches are
+    # A resumed run continues the ramp / step schedule from its consumed samples; the remaining batches are
     # checked before the first step (the micro batch or data-parallel size may have changed).
     problem = args.batch_schedule.first_problem(state.consumed_train_samples, args.train_iters - state.iteration)
     if problem:
@@ -360,7 +379,8 @@ def write_outputs(args, metrics: MetricsRecorder) -> None:
         logger.info("> metrics written to %s", args.log_json)
     if args.plot_path and metrics.iterations:
         path = {DataParallelPath.MEGATRON_FSDP: f"Megatron-FSDP {args.zero_strategy.label}",
-                DataParallelPath.MEGATRON_DDP: "Megatron-core DDP", DataParallelPath.TORCH_DDP: "DDP"}[args.dp_path]
+                DataParallelPath.MEGATRON_DDP: "Megatron-core DDP", DataParallelPath.TORCH_DDP: "DDP",
+                DataParallelPath.TORCH_FSDP2: "FSDP2"}[args.dp_path]
         title = f"{path}, {args.world_size} ranks"
         if plot_loss_curve(args.plot_path, metrics.iterations, metrics.lm_loss, metrics.validation, title):
             logger.info("> loss curve written to %s", args.plot_path)

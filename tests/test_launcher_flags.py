@@ -119,8 +119,9 @@ def test_ckpt_formats_accepted_with_fsdp(fmt):
     assert _parse(["--use-megatron-fsdp", "--ckpt-format", fmt]).ckpt_format == fmt
 
 
-def test_ckpt_format_torch_is_rejected_and_fsdp_dtensor_needs_fsdp():
-    with pytest.raises(ArgumentError, match="--ckpt-format torch is not supported here"):
+def test_ckpt_format_torch_is_refused_with_fsdp_and_fsdp_dtensor_needs_fsdp():
+    # Megatron-LM: "Megatron-FSDP requires the `fsdp_dtensor` checkpointing format."
+    with pytest.raises(ArgumentError, match="--ckpt-format torch cannot be used with --use-megatron-fsdp"):
         _parse(["--use-megatron-fsdp", "--ckpt-format", "torch"])
     with pytest.raises(ArgumentError, match="fsdp_dtensor is only used with --use-megatron-fsdp"):
         _parse(["--ckpt-format", "fsdp_dtensor"])

@@ -213,6 +213,11 @@ class GPTConfig:
     at 0, so weight decay pulls the scale towards 1 (Megatron's ``--apply-layernorm-1p``)."""
     qk_layernorm: bool = False
     """Normalise each head's queries and keys (same norm type) before RoPE."""
+    attention_output_gate: bool = False
+    """Gated attention (Megatron's ``--attention-output-gate``): the fused QKV projection
+    also yields one gate channel per query channel, and each head's attention output is
+    multiplied by sigmoid(gate), computed in fp32, before the output projection. Not with
+    multi-latent attention (megatron-core refuses it there too)."""
     position_embedding_type: Union[PositionEmbeddingType, str] = PositionEmbeddingType.LEARNED_ABSOLUTE
     rotary_base: int = 10000
     rotary_percent: float = 1.0
@@ -279,6 +284,10 @@ class GPTConfig:
     experts (its output is added); ``None`` = no shared expert. As in Megatron-core it
     takes no biases, so it needs ``add_bias_linear=False``. Its parameters are dense
     (not expert) parameters."""
+    moe_shared_expert_gate: bool = False
+    """Scale the shared expert's output per token by sigmoid(x . w), w a learned
+    (1, hidden) weight initialised like the others (Megatron's ``--moe-shared-expert-gate``).
+    No effect without a shared expert, as in megatron-core."""
     moe_router_dtype: Union[RouterDtype, str, None] = None
     """Precision of the router (Megatron's ``--moe-router-dtype``): the gating linear
     x W^T takes its inputs cast to this dtype, so the logits, the top-k choice, the
@@ -415,6 +424,9 @@ class GPTConfig:
                 f"{self.num_attention_heads} (each key/value head serves a whole group of query heads)")
         if self.norm_epsilon <= 0:
             raise ValueError(f"norm_epsilon={self.norm_epsilon} must be positive")
+        if self.attention_output_gate and self.multi_latent_attention:
+            raise ValueError("attention_output_gate=True with multi_latent_attention: megatron-core has no output "
+                             "gate for MLA (its MLATransformerConfig refuses it); drop one of the two")
         if self.rotary_interleaved and (self.multi_latent_attention
                                         or self.position_embedding_type is not PositionEmbeddingType.ROPE):
             raise ValueError("rotary_interleaved=True needs position_embedding_type='rope' and no multi-latent "

@@ -47,6 +47,25 @@ class InitLinear(nn.Linear):
         return (out + self.bias * bias_scale).to(out.dtype)
 
 
+class SharedExpertGate(nn.Module):
+    """sigmoid(x . w) per token, w a (1, hidden) weight ~ N(0, std) without bias: the gate
+    of an MoE shared expert (megatron-core's ``SharedExpertMLP.gate_weight``; see
+    ``moe.SharedExpertMLP``). Computed in the input's dtype, as megatron-core; the weight
+    is 2-D, so weight decay applies to it as to megatron-core's."""
+
+    def __init__(self, hidden_size: int, *, std: float) -> None:
+        super().__init__()
+        self.std = std
+        self.weight = nn.Parameter(torch.empty(1, hidden_size))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=self.std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (n, hidden) -> (n, 1)
+        return torch.sigmoid(F.linear(x, self.weight))
+
+
 class InitEmbedding(nn.Embedding):
     """Embedding table ~ N(0, std)."""
 

@@ -168,6 +168,7 @@ def _transformer_config(cfg: GPTConfig, args: argparse.Namespace, *, cross_entro
                        moe_router_pre_softmax=cfg.moe_router_pre_softmax, moe_token_dispatcher_type="allgather",
                        moe_router_topk_scaling_factor=cfg.moe_router_topk_scaling_factor,
                        moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size,
+                       moe_shared_expert_gate=cfg.moe_shared_expert_gate,
                        moe_router_load_balancing_type=_mcore_balancing_type(cfg),
                        moe_router_score_function=cfg.moe_router_score_function.value,
                        moe_router_enable_expert_bias=cfg.moe_router_enable_expert_bias,
@@ -182,6 +183,8 @@ def _transformer_config(cfg: GPTConfig, args: argparse.Namespace, *, cross_entro
         changes["layernorm_zero_centered_gamma"] = True  # Megatron-LM: --apply-layernorm-1p
     if cfg.rotary_interleaved:
         changes["rotary_interleaved"] = True  # Megatron-LM: --rotary-interleaved
+    if cfg.attention_output_gate:
+        changes["attention_output_gate"] = True  # Megatron-LM: --attention-output-gate
     config = transformer_config_from_args(args)
     if cfg.multi_latent_attention:
         from .mcore_mla import mla_transformer_config
@@ -246,12 +249,17 @@ def _define_missing_te_gemm() -> None:
 
 # -- weights ---------------------------------------------------------------------------------
 def _grouped_qkv(qkv: torch.Tensor, cfg: GPTConfig) -> torch.Tensor:
-    """Our fused rows [q (h*d) | k (g*d) | v (g*d)] -> megatron-core's, grouped per
-    key/value head: for each group, [its h/g query heads | its key | its value]."""
+    """Our fused rows [q (h*d) | k (g*d) | v (g*d) | gate (h*d, with attention_output_gate)]
+    -> megatron-core's, grouped per key/value head: for each group, [its h/g query heads |
+    their h/g gate heads, if any | its key | its value]."""
     d, g, h = cfg.kv_channels, cfg.num_query_groups, cfg.num_attention_heads
-    q, k, v = qkv.split([h * d, g * d, g * d])
+    gate_size = h * d if cfg.attention_output_gate else 0
+    q, k, v, gate = qkv.split([h * d, g * d, g * d, gate_size])
     tail = qkv.shape[1:]  # (hidden,) for a weight, () for a bias
-    per_group = torch.cat([q.reshape(g, (h // g) * d, *tail), k.reshape(g, d, *tail), v.reshape(g, d, *tail)], dim=1)
+    parts = [q.reshape(g, (h // g) * d, *tail)]
+    if gate_size:
+        parts.append(gate.reshape(g, (h // g) * d, *tail))
+    per_group = torch.cat(parts + [k.reshape(g, d, *tail), v.reshape(g, d, *tail)], dim=1)
     return per_group.reshape(qkv.shape)
 
 
@@ -260,6 +268,9 @@ _LAYER_NAMES = {  # ours (inside blocks.i.) -> megatron-core's (inside decoder.l
     "attn.q_layernorm": "self_attention.q_layernorm", "attn.k_layernorm": "self_attention.k_layernorm",
     "mlp.fc": "mlp.linear_fc1", "mlp.proj": "mlp.linear_fc2", "mlp.router": "mlp.router",
     "mlp.shared_experts.fc": "mlp.shared_experts.linear_fc1", "mlp.shared_experts.proj": "mlp.shared_experts.linear_fc2",
+}
+_LEAF_NAMES = {  # modules whose single weight megatron-core keeps on the parent, under its own name
+    "mlp.shared_experts.gate": "mlp.shared_experts.gate_weight",
 }
 
 
@@ -280,6 +291,8 @@ def _mcore_name(name: str) -> str:
         linear = {"fc": "linear_fc1", "proj": "linear_fc2"}[module]
         return f"decoder.layers.{index}.mlp.experts.local_experts.{expert}.{linear}.{leaf}"
     module, leaf = rest.rsplit(".", 1)
+    if module in _LEAF_NAMES:
+        return f"decoder.layers.{index}.{_LEAF_NAMES[module]}"
     if module in _MLA_NAMES:  # MultiLatentAttention's own names are megatron-core's
         return f"decoder.layers.{index}.self_attention.{module[len('attn.'):]}.{leaf}"
     if module == "attn.qkv":

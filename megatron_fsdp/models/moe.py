@@ -42,7 +42,7 @@ import torch.nn as nn
 
 from ..marks import is_expert_param
 from .config import GPTConfig, MoELoadBalancing, ScoreFunction
-from .layers import MLP
+from .layers import MLP, SharedExpertGate
 from .router import (  # noqa: F401  (re-exported: the routing API's former home)
     TopKRouter,
     balancing_scores,
@@ -91,6 +91,25 @@ class _AttachAuxLoss(torch.autograd.Function):
         return grad_output, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
 
 
+class SharedExpertMLP(MLP):
+    """The shared expert: a dense MLP every token passes through, its output added to
+    the routed experts'. With ``moe_shared_expert_gate`` the output is first scaled per
+    token by ``gate(x)`` = sigmoid(x . w) (megatron-core's ``SharedExpertMLP``); the
+    gate is a child built after ``fc`` and ``proj``, so a meta-device build draws their
+    initial values in the same order as an eager one."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__(cfg, cfg.moe_shared_expert_intermediate_size)
+        if cfg.moe_shared_expert_gate:
+            self.gate = SharedExpertGate(cfg.hidden_size, std=cfg.init_method_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (n, hidden) -> (n, hidden)
+        out = super().forward(x)
+        if hasattr(self, "gate"):
+            out = out * self.gate(x)  # (n, hidden) * (n, 1)
+        return out
+
+
 class MoELayer(nn.Module):
     """Replaces a block's MLP: each token goes to its top-k experts and comes back as
     the probability-weighted sum of their outputs. Dropless (no capacity limit)."""
@@ -110,7 +129,7 @@ class MoELayer(nn.Module):
         mark_expert_parameters(self.experts)
         if cfg.moe_shared_expert_intermediate_size is not None:
             # Every token's; replicated like any dense weight (no expert mark).
-            self.shared_experts = MLP(cfg, cfg.moe_shared_expert_intermediate_size)
+            self.shared_experts = SharedExpertMLP(cfg)
         self.aux_loss_scale = 1.0
         """Gradient handed to the aux loss in backward; see [Note: attaching the aux loss]."""
         self.last_aux_loss: torch.Tensor | None = None

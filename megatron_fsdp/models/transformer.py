@@ -23,14 +23,17 @@ class CausalSelfAttention(nn.Module):
     key/value heads serves h/g consecutive query heads (Megatron's grouping).
 
     ``qkv`` projects to [q (h*d) | k (g*d) | v (g*d)]; with g = h and d = hidden/h
-    that is the classic fused (3 * hidden, hidden) projection."""
+    that is the classic fused (3 * hidden, hidden) projection. With
+    ``attention_output_gate`` it also yields a gate (h*d) after v: see
+    [Note: attention output gate]."""
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.heads, self.groups, self.head_dim = cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels
         self.q_size, self.kv_size = self.heads * self.head_dim, self.groups * self.head_dim
-        self.qkv = InitLinear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.add_bias_linear,
-                              std=cfg.init_method_std)
+        self.gate_size = self.q_size if cfg.attention_output_gate else 0
+        self.qkv = InitLinear(cfg.hidden_size, self.q_size + 2 * self.kv_size + self.gate_size,
+                              bias=cfg.add_bias_linear, std=cfg.init_method_std)
         self.proj = InitLinear(self.q_size, cfg.hidden_size, bias=cfg.add_bias_linear, std=scaled_init_std(cfg))
         if cfg.qk_layernorm:
             self.q_layernorm = build_norm(cfg, self.head_dim)
@@ -44,7 +47,7 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
-        q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=2)
+        q, k, v, gate = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size, self.gate_size], dim=2)
         q = q.view(b, t, self.heads, self.head_dim).transpose(1, 2)  # (b, h, t, d)
         k = k.view(b, t, self.groups, self.head_dim).transpose(1, 2)  # (b, g, t, d)
         v = v.view(b, t, self.groups, self.head_dim).transpose(1, 2)  # (b, g, t, d)
@@ -64,12 +67,28 @@ class CausalSelfAttention(nn.Module):
             y = checkpoint(self._core_attention, q, k, v, use_reentrant=False)
         else:
             y = self._core_attention(q, k, v)  # (b, h, t, d)
-        return self.proj(y.transpose(1, 2).reshape(b, t, self.q_size))  # (b, t, hidden)
+        y = y.transpose(1, 2).reshape(b, t, self.q_size)  # (b, t, h*d), head-major as the gate
+        if self.gate_size:
+            y = apply_output_gate(y, gate)
+        return self.proj(y)  # (b, t, hidden)
 
     def _core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # Scale 1/sqrt(d), as Megatron's default (no query-key layer scaling).
         return F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                               dropout_p=self.dropout if self.training else 0.0)
+
+
+def apply_output_gate(y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """[Note: attention output gate] Gated attention (Megatron's ``--attention-output-gate``):
+    every channel of every head's attention output y (b, t, h*d) is multiplied by
+    sigmoid of its own gate channel, projected from the block input by the fused QKV
+    linear. As megatron-core, the sigmoid and the product run in fp32 and the result is
+    rounded once to y's dtype (a bf16 sigmoid would round twice: different bf16 numbers).
+
+    megatron-core lays the gate rows out per key/value group, [q | gate | k | v] for each
+    group; here they follow v as one (h*d) block, in query-head order, so a model without
+    the gate keeps its layout. ``mcore.to_mcore_state_dict`` converts."""
+    return (y * torch.sigmoid(gate.float())).to(y.dtype)
 
 
 class TransformerBlock(nn.Module):

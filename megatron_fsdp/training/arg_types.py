@@ -59,6 +59,8 @@ class DataParallelPath(enum.Enum):
     """Megatron-core DDP (+ distributed optimizer): ``no_shard`` or ``optim``."""
     TORCH_DDP = "torch-ddp"
     """fp32, no distributed optimizer: PyTorch DDP."""
+    TORCH_FSDP2 = "torch-fsdp2"
+    """``--use-torch-fsdp2``: PyTorch's FSDP2 (``fully_shard``), fp32 or bf16 (torch_fsdp2.py)."""
 
 
 BYTE_VOCAB_SIZE = 256

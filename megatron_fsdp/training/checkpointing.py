@@ -17,6 +17,7 @@ import random
 import shutil
 from typing import Any, Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -45,7 +46,7 @@ def read_tracker(root: str) -> Optional[int]:
         raise ValueError(f"{path} holds {text!r}, not an iteration number; fix or delete the file") from None
 
 
-def _publish(root: str, iteration: int, retain_interval: Optional[int]) -> None:
+def publish_checkpoint(root: str, iteration: int, retain_interval: Optional[int]) -> None:
     """Rank 0, once ``iteration``'s checkpoint is complete: name it in the tracker. With
     ``--save-retain-interval`` the checkpoint the tracker named before is deleted unless
     its iteration is a multiple of the interval (Megatron-LM's rule: the newest and every
@@ -90,6 +91,8 @@ def rng_state(device: torch.device = torch.device("cpu")) -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any], device: torch.device = torch.device("cpu")) -> None:
     random.setstate(state["python"])
+    if state.get("numpy") is not None:  # torch-format checkpoints carry Megatron-LM's numpy state too
+        np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     device_mod.set_rng_state(state.get("device"), device)
 
@@ -106,7 +109,7 @@ def checkpoint_module(model):
 def save(root: str, iteration: int, model, optimizer, extra_state: dict,
          retain_interval: Optional[int] = None) -> str:
     """Collective: every rank saves its part, then rank 0 moves the tracker (and retires
-    the previous checkpoint under ``retain_interval``: ``_publish``)."""
+    the previous checkpoint under ``retain_interval``: ``publish_checkpoint``)."""
     directory = checkpoint_dir(root, iteration)
     model = checkpoint_module(model)
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -116,7 +119,7 @@ def save(root: str, iteration: int, model, optimizer, extra_state: dict,
     if dist.is_initialized():
         dist.barrier()  # every rank finished writing before the tracker names this iteration
     if rank == 0:
-        _publish(root, iteration, retain_interval)
+        publish_checkpoint(root, iteration, retain_interval)
     if dist.is_initialized():
         dist.barrier()
     logger.info("  successfully saved checkpoint from iteration %7d to %s", iteration, root)
@@ -170,7 +173,7 @@ class AsyncSaver:
             final = checkpoint_dir(root, iteration)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
-            _publish(root, iteration, self._retain_interval)
+            publish_checkpoint(root, iteration, self._retain_interval)
         dist.barrier()
         logger.info("  successfully saved checkpoint from iteration %7d to %s (asynchronously)", iteration, root)
 

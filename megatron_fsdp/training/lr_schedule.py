@@ -63,7 +63,8 @@ class LRSchedule:
     per_sample: bool = False
     """The clock counts samples: ``step(samples)`` adds the samples the iteration trained
     on, as Megatron-LM's scheduler is stepped by micro batches x micro batch x DP size
-    (``increment`` unless ``--rampup-batch-size`` changes the batch)."""
+    (``increment`` unless ``--rampup-batch-size`` / ``--step-batch-size-schedule`` change
+    the batch)."""
     num_steps: int = 0
     """Clock so far; the next iteration uses ``lr_at(num_steps)``."""
 

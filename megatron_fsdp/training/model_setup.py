@@ -1,5 +1,6 @@
-"""Build the model, wrap it for data parallelism (Megatron-FSDP or PyTorch DDP)
-and build its optimizer, from the parsed flags.
+"""Build the model, wrap it for data parallelism (Megatron-FSDP, PyTorch DDP, or
+PyTorch FSDP2 with ``--use-torch-fsdp2``: torch_fsdp2.py) and build its optimizer,
+from the parsed flags.
 
 The embedded GPT (``megatron_fsdp.models.gpt``) is the default; ``--use-mcore-models``
 swaps in Megatron-core's GPTModel with the same architecture through
@@ -21,11 +22,13 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 import megatron_fsdp as mf
 from megatron_fsdp import device as device_mod
 from megatron_fsdp.models.gpt import GPT, GPTConfig, TransformerBlock
 
+from . import torch_fsdp2
 from .arg_types import DataParallelPath, Precision
 
 
@@ -43,7 +46,8 @@ class ModelBundle:
     optimizer: torch.optim.Optimizer
     loss_fn: LossFn
     is_fsdp: bool
-    """Wrapped by megatron_fsdp (the Megatron-FSDP and Megatron-core DDP paths), not PyTorch DDP."""
+    """Wrapped by megatron_fsdp (the Megatron-FSDP and Megatron-core DDP paths), not PyTorch
+    DDP or FSDP2 (whose reductions average over the data-parallel ranks)."""
     num_parameters: int
     moe_balancing: Optional[Any] = None
     """megatron-core MoE models: ``models.mcore.McoreBalancingLoss`` (``clear()`` before a
@@ -58,13 +62,18 @@ class ModelBundle:
         if self.is_fsdp and hasattr(self.model, "report_nan_in_param_grad"):
             local = self.model.report_nan_in_param_grad()
         else:
+            # FSDP2's gradients are DTensors: each rank checks its own shard.
             local = [n for n, p in self.model.named_parameters()
-                     if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
+                     if p.grad is not None and not bool(torch.isfinite(_local_tensor(p.grad)).all())]
         if not dist.is_initialized():
             return local
         gathered: list[list[str]] = [None] * dist.get_world_size()  # type: ignore[list-item]
         dist.all_gather_object(gathered, local)
         return sorted({name for names in gathered for name in names})
+
+
+def _local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def setup_model_and_optimizer(args, device: torch.device) -> ModelBundle:
@@ -77,6 +86,10 @@ def setup_model_and_optimizer(args, device: torch.device) -> ModelBundle:
     if args.dp_path is DataParallelPath.TORCH_DDP:
         model = _wrap_ddp(module, args, device)
         optimizer = build_optimizer(model, args)
+    elif args.dp_path is DataParallelPath.TORCH_FSDP2:
+        model = torch_fsdp2.wrap_torch_fsdp2(module, torch_fsdp2.TorchFSDP2Config.from_args(args), device,
+                                             recompute=args.recompute_granularity is not None)
+        optimizer = build_optimizer(model, args)  # plain AdamW/SGD on the fp32 shards (DTensors)
     else:
         if dtype is not torch.float32:
             module = module.to(dtype)
@@ -88,7 +101,8 @@ def setup_model_and_optimizer(args, device: torch.device) -> ModelBundle:
 
         balancing = mcore_models.balancing_loss_reader(gpt_config_from_args(args))
     return ModelBundle(model=model, optimizer=optimizer, loss_fn=loss_fn_factory(model),
-                       is_fsdp=args.dp_path is not DataParallelPath.TORCH_DDP, num_parameters=num_parameters,
+                       is_fsdp=args.dp_path in (DataParallelPath.MEGATRON_FSDP, DataParallelPath.MEGATRON_DDP),
+                       num_parameters=num_parameters,
                        moe_balancing=balancing)
 
 
@@ -123,6 +137,7 @@ MODEL_FLAG_FIELDS = (
     ModelFlag("attention_dropout", "attention_dropout", 0.0),
     ModelFlag("init_method_std", "init_method_std", 0.02),
     ModelFlag("qk_layernorm", "qk_layernorm", False),
+    ModelFlag("attention_output_gate", "attention_output_gate", False),
     ModelFlag("recompute_granularity", "recompute_granularity", None),
     ModelFlag("recompute_method", "recompute_method", None),
     ModelFlag("recompute_num_layers", "recompute_num_layers", None),
@@ -136,6 +151,7 @@ MODEL_FLAG_FIELDS = (
     ModelFlag("moe_layer_freq", "moe_layer_freq", 1),
     ModelFlag("moe_router_topk_scaling_factor", "moe_router_topk_scaling_factor", None),
     ModelFlag("moe_shared_expert_intermediate_size", "moe_shared_expert_intermediate_size", None),
+    ModelFlag("moe_shared_expert_gate", "moe_shared_expert_gate", False),
     ModelFlag("moe_router_dtype", "moe_router_dtype", None),
     ModelFlag("moe_router_score_function", "moe_router_score_function", "softmax"),
     ModelFlag("moe_router_enable_expert_bias", "moe_router_enable_expert_bias", False),
@@ -175,6 +191,7 @@ def _baseline_ok(flag: ModelFlag, args) -> bool:
         return args.position_embedding_type != "rope" or value == flag.baseline
     if flag.dest in ("moe_router_topk", "moe_ffn_hidden_size", "moe_aux_loss_coeff", "moe_router_pre_softmax",
                      "moe_layer_freq", "moe_router_topk_scaling_factor", "moe_shared_expert_intermediate_size",
+                     "moe_shared_expert_gate",
                      "moe_router_dtype", "moe_router_load_balancing_type", "moe_router_score_function",
                      "moe_router_enable_expert_bias", "moe_router_bias_update_rate", "moe_router_num_groups",
                      "moe_router_group_topk"):

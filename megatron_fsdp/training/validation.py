@@ -20,7 +20,7 @@ import re
 from .. import device as device_mod
 from ..enums import ShardingStrategy
 from ..models.config import megatron_swiglu_ffn_hidden_size
-from . import determinism, mla_flags, tokenizers
+from . import determinism, mla_flags, tokenizers, torch_fsdp2_flags
 from .arg_types import BYTE_VOCAB_SIZE, DataParallelPath, LRDecayStyle, Precision, TokenizerType
 from .flag_table import FlagSpec, FlagStatus
 
@@ -207,6 +207,9 @@ def _model_features(args, world_size) -> list[str]:
     if args.rotary_interleaved and args.multi_latent_attention:  # megatron-core's TransformerConfig rule
         problems.append("--rotary-interleaved does not work with --multi-latent-attention (megatron-core refuses "
                         "the pair); drop --rotary-interleaved")
+    if args.attention_output_gate and args.multi_latent_attention:  # megatron-core's MLATransformerConfig rule
+        problems.append("--attention-output-gate with --multi-latent-attention: megatron-core has no output gate for "
+                        "MLA (NotImplementedError); drop one of the two")
     types = args.moe_router_load_balancing_type
     if isinstance(types, list) and len(types) > 1:
         problems.append(f"--moe-router-load-balancing-type {' '.join(types)}: combining balancing losses is not "
@@ -309,7 +312,7 @@ def _batch(args, world_size) -> list[str]:
 
 
 def _batch_rampup(args, world_size) -> list[str]:
-    """--rampup-batch-size / --decrease-batch-size-if-needed (microbatches.py)."""
+    """--rampup-batch-size / --step-batch-size-schedule / --decrease-batch-size-if-needed (microbatches.py)."""
     from .microbatches import batch_problems
 
     return batch_problems(args, world_size)
@@ -356,6 +359,7 @@ def _data_parallel(args, world_size) -> list[str]:
     problems = []
     if args.use_megatron_fsdp and args.use_torch_fsdp2:  # Megatron-LM: the two are exclusive
         problems.append("--use-megatron-fsdp and --use-torch-fsdp2 are mutually exclusive; keep --use-megatron-fsdp")
+    problems += torch_fsdp2_flags.torch_fsdp2_problems(args, os.environ)
     if args.overlap_param_gather:  # Megatron-LM rules
         if not (args.use_distributed_optimizer or args.use_megatron_fsdp):
             problems.append("--overlap-param-gather needs --use-distributed-optimizer or --use-megatron-fsdp")
@@ -463,6 +467,9 @@ def _io(args, world_size) -> list[str]:
         problems.append("--finetune needs --load DIR (the checkpoint whose weights to start from)")
     if args.async_save and args.save is None:
         problems.append("--async-save needs --save DIR")
+    from .torch_checkpoint import option_problems as torch_format_problems
+
+    problems += torch_format_problems(args)  # --ckpt-format torch's rules (Megatron-LM's and this launcher's)
     retain = args.save_retain_interval
     if retain is not None and args.save is not None and args.save_interval:  # Megatron-LM's rules
         if retain <= 0 or retain % args.save_interval:
@@ -558,7 +565,7 @@ def derive_fields(args: argparse.Namespace, world_size: int) -> None:
     from .microbatches import BatchSchedule
 
     args.batch_schedule = BatchSchedule.from_args(args, world_size)
-    if args.train_samples is not None:  # Megatron-LM's update_train_iters (whole batches, ramp-up included)
+    if args.train_samples is not None:  # Megatron-LM's update_train_iters (ramp-up / step schedule included)
         args.train_iters = args.batch_schedule.train_iters(args.train_samples)
     args.schedule = derive_schedule(args)
     if args.schedule.warmup_steps and args.schedule.warmup_steps >= args.schedule.decay_steps:
@@ -574,6 +581,7 @@ def derive_fields(args: argparse.Namespace, world_size: int) -> None:
     args.split = args.split.strip().strip("'\"")
     args.precision = Precision.BF16 if args.bf16 else Precision.FP16 if args.fp16 else Precision.FP32
     args.dp_path = _data_parallel_path(args)
+    warnings += torch_fsdp2_flags.torch_fsdp2_warnings(args)
     if args.dp_path is DataParallelPath.MEGATRON_DDP:
         _megatron_ddp_fields(args)
     args.zero_strategy = ShardingStrategy.parse(args.data_parallel_sharding_strategy)
@@ -629,6 +637,10 @@ def _derive_model_fields(args: argparse.Namespace, warnings: list[str]) -> None:
     if isinstance(args.moe_router_load_balancing_type, list):  # nargs="+"; one type (validated)
         args.moe_router_load_balancing_type = args.moe_router_load_balancing_type[0]
     args.moe_layer_freq = parse_layer_freq(args.moe_layer_freq)
+    if args.moe_shared_expert_gate and (args.num_experts is None or args.moe_shared_expert_intermediate_size is None):
+        # megatron-core builds the gate inside the shared expert only: ignored there without a word.
+        warnings.append("--moe-shared-expert-gate has no effect without a shared expert (--num-experts and "
+                        "--moe-shared-expert-intermediate-size), as in Megatron-LM; add them or drop the flag")
     if args.num_experts is not None and not args.swiglu and args.add_bias_linear and args.bias_gelu_fusion:
         # Megatron-core's experts raise "Only support fusion of swiglu and quick_gelu ..." here.
         warnings.append("--num-experts with a GELU MLP with biases and the bias-GELU fusion on: Megatron-LM refuses "
@@ -640,6 +652,8 @@ def _derive_model_fields(args: argparse.Namespace, warnings: list[str]) -> None:
 def _data_parallel_path(args) -> DataParallelPath:
     if args.use_megatron_fsdp:
         return DataParallelPath.MEGATRON_FSDP
+    if args.use_torch_fsdp2:
+        return DataParallelPath.TORCH_FSDP2
     # --ddp-average-in-collective picks the collective's op, which PyTorch DDP does not expose.
     if args.use_distributed_optimizer or args.precision is not Precision.FP32 or args.ddp_average_in_collective:
         return DataParallelPath.MEGATRON_DDP
