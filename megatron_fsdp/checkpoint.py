@@ -196,6 +196,27 @@ def _validate_model_keys(model_state: dict, metadata: dict) -> None:
         )
 
 
+_WRAPPER_PREFIX = "module."
+
+
+def _wrapper_renames(model_keys, metadata: dict) -> Optional[dict[str, str]]:
+    """Model key -> checkpoint key, when the checkpoint was written through the other
+    side of a wrapper: ``MegatronFSDP.state_dict()`` keys its entries ``module.<name>``
+    (upstream's convention), a bare or DDP-unwrapped module ``<name>``. A run that
+    switches between PyTorch DDP and Megatron-FSDP resumes across that prefix, as
+    Megatron-LM's parallelism-agnostic checkpoints do; ``None`` unless every key
+    matches after the rename."""
+    saved = {k[len("model."):] for k in metadata if k.startswith("model.")}
+    keys = list(model_keys)
+    if not keys or set(keys) == saved:
+        return None
+    if all(k.startswith(_WRAPPER_PREFIX) for k in keys):
+        renames = {k: k[len(_WRAPPER_PREFIX):] for k in keys}
+    else:
+        renames = {k: _WRAPPER_PREFIX + k for k in keys}
+    return renames if set(renames.values()) == saved else None
+
+
 def _prune_absent_optimizer_state(opt_state: dict, metadata: dict) -> list[int]:
     """Drop state entries the checkpoint does not have (it was saved before those
     parameters' first step); returns their indices."""
@@ -230,6 +251,9 @@ def load_checkpoint(
     # copy of the model or optimizer state, and nothing live changes until all is read.
     with state_dicts_on("cpu"):
         model_state = tree_map(clone_for_load, model.state_dict())
+    renames = _wrapper_renames(model_state, metadata)
+    if renames is not None:
+        model_state = {renames[k]: v for k, v in model_state.items()}
     _validate_model_keys(model_state, metadata)
     created: list[torch.Tensor] = []
     try:
@@ -249,6 +273,9 @@ def load_checkpoint(
             f"could not read the checkpoint at {path} (corrupted or incomplete files?); the model and "
             f"optimizer were left unchanged. Load an earlier checkpoint. Cause: {exc}"
         ) from exc
+    if renames is not None:
+        back = {saved: own for own, saved in renames.items()}
+        state["model"] = {back[k]: v for k, v in state["model"].items()}
     model.load_state_dict(state["model"])
     if optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])

@@ -100,9 +100,10 @@ def set_rng_state(state: dict[str, Any], device: torch.device = torch.device("cp
 def checkpoint_module(model):
     """The module whose ``state_dict`` a checkpoint holds: PyTorch DDP's inner module, so
     the keys are the model's own (``decoder.layers.0.self_attention.linear_qkv.weight`` for
-    megatron-core's GPTModel, ``blocks.0.attn.qkv.weight`` for the embedded GPT) under DDP
-    as under Megatron-FSDP, whose wrapper already answers with them; the parameters are
-    shared, so loading into it loads the wrapped model."""
+    megatron-core's GPTModel, ``blocks.0.attn.qkv.weight`` for the embedded GPT); the
+    parameters are shared, so loading into it loads the wrapped model. Megatron-FSDP's
+    wrapper keys them ``module.<name>`` (upstream's convention); the load maps one onto
+    the other, so a run may switch between the two (checkpoint.py ``_wrapper_renames``)."""
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
