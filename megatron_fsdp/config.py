@@ -9,6 +9,7 @@ spelling for compatibility; code reads the parsed enums (``sharding_strategy``,
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Optional, Union
 
 import torch
@@ -26,7 +27,8 @@ class DistributedDataParallelConfig:
     Upstream's fields come first, in upstream's order, so positional arguments mean
     the same; upstream options this engine does not implement are accepted at their
     default and any other value raises ``NotImplementedError`` naming the option
-    (``UNIMPLEMENTED_OPTIONS``)."""
+    (``UNIMPLEMENTED_OPTIONS``); NCCL allocation/registration options that change no
+    value are accepted with a warning (``PERFORMANCE_ONLY_OPTIONS``)."""
 
     # -- upstream's fields, in upstream's order ----------------------------------------
     overlap_grad_reduce: bool = False
@@ -97,6 +99,7 @@ class DistributedDataParallelConfig:
 
     def __post_init__(self) -> None:
         check_unimplemented(self, UNIMPLEMENTED_OPTIONS, where="DistributedDataParallelConfig")
+        warn_performance_only(self, PERFORMANCE_ONLY_OPTIONS, where="DistributedDataParallelConfig")
         self.sharding_strategy = ShardingStrategy.parse(
             self.data_parallel_sharding_strategy, arg_name="data_parallel_sharding_strategy"
         )
@@ -131,13 +134,34 @@ class DistributedDataParallelConfig:
 UNIMPLEMENTED_OPTIONS: dict[str, tuple[Any, str]] = {
     # name: (the only accepted value, why)
     "fsdp_all_gather_in_start_param_sync": (True, "start_param_sync always all-gathers here"),
-    "fsdp_db_use_persist_buf_on_alloc_fail": (False, "NCCL user-buffer double-buffer fallback is not implemented"),
-    "disable_symmetric_registration": (False, "NCCL user-buffer registration is not implemented"),
-    "fsdp_manual_registration": (False, "NCCL user-buffer registration is not implemented"),
     "megatron_fsdp_use_decoupled_grad": (False, "decoupled (precision-aware optimizer) gradients are not implemented"),
     "megatron_fsdp_cuda_graph_mode": (False, "CUDA graph capture of the step is not implemented"),
-    "megatron_fsdp_max_pool_double_buffer": (False, "the max-pool double buffer is not implemented; fsdp_double_buffer=True uses slot pools"),
 }
+
+_NCCL_UB = ("NCCL user-buffer registration (zero-copy collectives from an NCCL memory pool) is not "
+            "implemented: buckets are ordinary allocations")
+PERFORMANCE_ONLY_OPTIONS: dict[str, str] = {
+    # name: what this engine does instead. Upstream's allocation and registration
+    # choices for NCCL: they change where buckets live and how NCCL reaches them, never
+    # a value, so upstream's launch scripts (Megatron-FSDP's Llama-3 example sets
+    # --use-nccl-ub --fsdp-manual-registration) run here unchanged, with one warning.
+    "nccl_ub": _NCCL_UB,
+    "fsdp_manual_registration": _NCCL_UB,
+    "disable_symmetric_registration": _NCCL_UB,
+    "fsdp_db_use_persist_buf_on_alloc_fail": "the double buffer never falls back to persistent buffers (no NCCL "
+                                             "user buffers to run out of)",
+    "megatron_fsdp_max_pool_double_buffer": "fsdp_double_buffer's slot pools serve every unit",
+}
+
+
+def warn_performance_only(obj: Any, options: dict[str, str], *, where: str) -> None:
+    """One warning per upstream allocation/registration option that is on: accepted, no
+    effect here, the same numbers (read as attributes or dict keys)."""
+    for name, instead in options.items():
+        value = obj.get(name, False) if isinstance(obj, dict) else getattr(obj, name, False)
+        if value:
+            warnings.warn(f"{where}: {name}={value!r} has no effect in megatron_fsdp ({instead}); the training "
+                          "numbers are the same", stacklevel=3)
 
 
 def check_unimplemented(obj: Any, options: dict[str, tuple[Any, str]], *, where: str) -> None:

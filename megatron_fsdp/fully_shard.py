@@ -148,11 +148,8 @@ _UNIMPLEMENTED_MODEL_OPTIONS = {
     # (checked before anything is built, so no weight ever changes).
     "fsdp_group_ag": (None, "a separate all-gather group (AG/RS overlap on CUDA) is not implemented"),
     "expt_fsdp_group_ag": (None, "a separate expert all-gather group is not implemented"),
-    "fsdp_db_use_persist_buf_on_alloc_fail": UNIMPLEMENTED_OPTIONS["fsdp_db_use_persist_buf_on_alloc_fail"],
-    "disable_symmetric_registration": UNIMPLEMENTED_OPTIONS["disable_symmetric_registration"],
     "use_decoupled_grad": UNIMPLEMENTED_OPTIONS["megatron_fsdp_use_decoupled_grad"],
     "cuda_graph_mode": UNIMPLEMENTED_OPTIONS["megatron_fsdp_cuda_graph_mode"],
-    "maxpool_double_buffer": UNIMPLEMENTED_OPTIONS["megatron_fsdp_max_pool_double_buffer"],
 }
 
 

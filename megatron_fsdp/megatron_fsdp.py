@@ -245,7 +245,6 @@ class MegatronFSDP(RefusesCopies, nn.Module):
     def _check_supported(self) -> None:
         cfg = self.ddp_config
         unsupported = {
-            "nccl_ub=True (NCCL user-buffer registration)": cfg.nccl_ub,
             "keep_fp8_transpose_cache=True (TransformerEngine FP8 parameters)": cfg.keep_fp8_transpose_cache,
             "fp8_param_gather=True (TransformerEngine FP8 parameters)": cfg.fp8_param_gather,
         }

@@ -124,7 +124,7 @@ def construct_error_worker(rank, world, **fields):
     return None
 
 
-@pytest.mark.parametrize("field", ["nccl_ub"])
+@pytest.mark.parametrize("field", ["keep_fp8_transpose_cache"])
 def test_unsupported_feature_is_the_engines_error(pool2, field):
     messages = pool2.run(construct_error_worker, **{field: True})
     assert all(m and m.startswith("NotImplementedError") and f"{field}=True" in m for m in messages), messages

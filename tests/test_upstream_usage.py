@@ -110,7 +110,7 @@ def test_readme_quick_start(pool, tmp_path):
 
 
 # -- fully_shard with upstream's keywords ---------------------------------------------------
-def fully_shard_keywords_worker(rank, world, *, strategy):
+def fully_shard_keywords_worker(rank, world, *, strategy, keywords=None):
     batches = make_batches("net", 3, GLOBAL_BATCH)
     reference = train_reference(make_model("net"), "net", batches, "adamw")
     module = make_model("net")
@@ -140,7 +140,7 @@ def fully_shard_keywords_worker(rank, world, *, strategy):
         calculate_per_token_loss=False,
         fsdp_double_buffer=False,
         enable_fine_grained_param_gather=False,
-        **UPSTREAM_INERT_KEYWORDS,
+        **{**UPSTREAM_INERT_KEYWORDS, **(keywords or {})},
     )
     for x, y in batches:
         optimizer.zero_grad()
@@ -152,6 +152,23 @@ def fully_shard_keywords_worker(rank, world, *, strategy):
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_fully_shard_with_upstream_keywords(pool, strategy):
     assert max(pool.run(fully_shard_keywords_worker, strategy=strategy)) < TOL
+
+
+NCCL_ALLOCATION_KEYWORDS = dict(nccl_ub=True, fsdp_db_use_persist_buf_on_alloc_fail=True,
+                                disable_symmetric_registration=True, maxpool_double_buffer=True)
+
+
+def test_nccl_allocation_keywords_warn_and_train_exactly(pool2):
+    """Upstream's NCCL user-buffer and double-buffer allocation choices change no value:
+    accepted with a warning naming each, and training equals one process."""
+    with pytest.warns(UserWarning) as record:
+        mf.DistributedDataParallelConfig(nccl_ub=True, fsdp_manual_registration=True,
+                                         megatron_fsdp_max_pool_double_buffer=True)
+    messages = " ".join(str(w.message) for w in record)
+    for name in ("nccl_ub", "fsdp_manual_registration", "megatron_fsdp_max_pool_double_buffer"):
+        assert f"{name}=True has no effect" in messages, messages
+    diffs = pool2.run(fully_shard_keywords_worker, strategy="optim_grads_params", keywords=NCCL_ALLOCATION_KEYWORDS)
+    assert max(diffs) < TOL
 
 
 def unimplemented_keyword_worker(rank, world, *, name, value):
@@ -169,8 +186,7 @@ def unimplemented_keyword_worker(rank, world, *, name, value):
 
 @pytest.mark.parametrize(
     "name,value",
-    [("fsdp_group_ag", "group"), ("expt_fsdp_group_ag", "group"), ("use_decoupled_grad", True), ("cuda_graph_mode", True),
-     ("maxpool_double_buffer", True), ("fsdp_db_use_persist_buf_on_alloc_fail", True), ("disable_symmetric_registration", True)],
+    [("fsdp_group_ag", "group"), ("expt_fsdp_group_ag", "group"), ("use_decoupled_grad", True), ("cuda_graph_mode", True)],
 )
 def test_unimplemented_upstream_keyword_raises_naming_it(pool2, name, value):
     for named, unchanged in pool2.run(unimplemented_keyword_worker, name=name, value=value):
