@@ -23,10 +23,7 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -305,15 +302,34 @@ def test_router_flags_reach_the_model_and_bad_combinations_fail_at_parse_time():
             _parse(flags)
 
 
-def _torchrun(flags: str, tmp_path: Path, tag: str, extra: str = "") -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="")
+def launcher_task(rank: int, world: int, *, flags: str) -> str:
+    """The launcher's ``run`` on this pool rank; rank 0's printed log comes back."""
+    import contextlib
+    import importlib.util
+    import io
+    import logging
+
+    spec = importlib.util.spec_from_file_location("pretrain_gpt_router", REPO / "scripts" / "pretrain_gpt.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    from megatron_fsdp.training.logging_utils import setup_logging
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        setup_logging(rank)  # rank 0's log to the redirected stdout, as under torchrun
+        try:
+            script.run(parse_args(shlex.split(flags), world_size=world), torch.device("cpu"))
+        finally:
+            logging.getLogger().handlers.clear()
+    return printed.getvalue()
+
+
+def _launch(pool, flags: str, tmp_path: Path, tag: str, extra: str = "") -> dict:
+    """A 2-rank run of scripts/pretrain_gpt.py in the shared pool (no torchrun start-up)."""
     out = tmp_path / f"{tag}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(REPO / "scripts" / "pretrain_gpt.py"), *shlex.split(LAUNCH + FSDP + flags), "--log-json", str(out),
-           "--save", str(tmp_path / tag), "--save-interval", "4", *shlex.split(extra)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return dict(metrics=json.loads(out.read_text()), stdout=proc.stdout)
+    stdout = pool.run(launcher_task, flags=" ".join([LAUNCH + FSDP + flags, "--log-json", str(out), "--save",
+                                                    str(tmp_path / tag), "--save-interval", "4", extra]))[0]
+    return dict(metrics=json.loads(out.read_text()), stdout=stdout)
 
 
 def _saved_expert_bias(directory: Path) -> dict:
@@ -329,14 +345,14 @@ def _saved_expert_bias(directory: Path) -> dict:
     return state
 
 
-def test_launcher_runs_deepseek_routing_and_global_aux_loss(tmp_path):
+def test_launcher_runs_deepseek_routing_and_global_aux_loss(pool2, tmp_path):
     """A DeepSeek-V3-style router (sigmoid, expert bias, group-limited, scaled) with the
     global aux loss trains; the loss is logged under megatron-core's name, summed over the
     ranks (about 1 for even routing, not 1/2); the expert bias is in the checkpoint, moved
     in steps of the update rate; and the flags change the run's numbers."""
     balancing = " --moe-router-load-balancing-type global_aux_loss --moe-aux-loss-coeff 1e-2"
-    deepseek = _torchrun(DEEPSEEK_FLAGS + balancing, tmp_path, "deepseek")
-    plain = _torchrun(balancing, tmp_path, "softmax")
+    deepseek = _launch(pool2, DEEPSEEK_FLAGS + balancing, tmp_path, "deepseek")
+    plain = _launch(pool2, balancing, tmp_path, "softmax")
     assert "| global_load_balancing_loss: " in deepseek["stdout"]
     for run in (deepseek, plain):
         values = run["metrics"]["load_balancing_loss"]
@@ -348,8 +364,8 @@ def test_launcher_runs_deepseek_routing_and_global_aux_loss(tmp_path):
         steps = bias.float() / 1e-2  # 4 updates of +-1e-2 (or 0)
         assert torch.allclose(steps, steps.round(), atol=1e-4) and steps.abs().max() <= 4 and steps.abs().sum() > 0
     # Stopped after iteration 2 and resumed from its checkpoint: the bias came back with the weights.
-    _torchrun(DEEPSEEK_FLAGS + balancing, tmp_path, "first_half", "--exit-interval 2")
-    resumed = _torchrun(DEEPSEEK_FLAGS + balancing, tmp_path, "resumed", f"--load {tmp_path / 'first_half'}")
+    _launch(pool2, DEEPSEEK_FLAGS + balancing, tmp_path, "first_half", "--exit-interval 2")
+    resumed = _launch(pool2, DEEPSEEK_FLAGS + balancing, tmp_path, "resumed", f"--load {tmp_path / 'first_half'}")
     assert resumed["metrics"]["lm_loss"] == deepseek["metrics"]["lm_loss"][2:]
     for key, bias in _saved_expert_bias(tmp_path / "resumed").items():
         assert torch.equal(bias, biases[key]), key
