@@ -161,7 +161,7 @@ def warn_performance_only(obj: Any, options: dict[str, str], *, where: str) -> N
         value = obj.get(name, False) if isinstance(obj, dict) else getattr(obj, name, False)
         if value:
             warnings.warn(f"{where}: {name}={value!r} has no effect in megatron_fsdp ({instead}); the training "
-                          "numbers are the same", stacklevel=3)
+                          "numbers are the same", stacklevel=4)  # the caller of DistributedDataParallelConfig(...)
 
 
 def check_unimplemented(obj: Any, options: dict[str, tuple[Any, str]], *, where: str) -> None:
