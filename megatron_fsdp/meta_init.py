@@ -92,6 +92,7 @@ def materialize_meta_module(module: nn.Module, buffer: ParamAndGradBuffer, devic
     accounting = buffer.accounting
     peak_before, accounting.peak_temporary = accounting.peak_temporary, accounting.temporary
     handled: set[int] = set()
+    materialized: set[int] = set()  # parameters given storage by this call
     for name, sub in module.named_modules():
         if id(sub) in handled:
             continue
@@ -100,12 +101,18 @@ def materialize_meta_module(module: nn.Module, buffer: ParamAndGradBuffer, devic
             # children's parameters (MultiheadAttention zeroes out_proj.bias).
             members = dict(sub.named_modules(prefix=name))
             handled.update(id(m) for m in members.values())
+            materialized.update(id(p) for m in members.values() for p in m.parameters(recurse=False))
             _materialize_block(members, _eager_resets(sub), buffer, device, accounting)
             continue
         own = [p for _, p in sub.named_parameters(recurse=False)]
         meta_params = [p for p in own if p.device.type == "meta"]
         meta_buffers = [n for n, b in sub.named_buffers(recurse=False) if b.device.type == "meta"]
-        if not meta_params and not meta_buffers:
+        # A module whose weights are all tied to earlier ones (an output head sharing the
+        # embedding) still runs its init: an eager build draws those numbers too, and the
+        # modules built after it (multi-token prediction layers) must draw what follows.
+        tied = [p for p in own if id(p) in materialized]
+        materialized.update(id(p) for p in meta_params)
+        if not meta_params and not meta_buffers and not (tied and _has_reset(sub)):
             continue
         if not _has_reset(sub) and (meta_params or not _resets_buffers(sub)):
             raise ValueError(

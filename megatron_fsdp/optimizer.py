@@ -274,7 +274,9 @@ def updates_elementwise(optimizer: torch.optim.Optimizer) -> bool:
     RAdam, RMSprop and Rprop (exactly these classes: a subclass may change the math),
     apex's and TransformerEngine's FusedAdam/FusedSGD. Set
     ``optimizer.megatron_fsdp_elementwise = True`` to vouch for another (faster:
-    a step on DTensors dispatches every tensor through Python)."""
+    a step on DTensors dispatches every tensor through Python), or for one that
+    gathers its whole-tensor part itself (the launcher's Muon: [Note: Muon on flat
+    pieces] in training/muon_optimizer.py)."""
     vouched = getattr(optimizer, ELEMENTWISE_ATTR, None)
     if vouched is not None:
         return bool(vouched)

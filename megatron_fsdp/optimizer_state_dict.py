@@ -33,9 +33,10 @@ import itertools
 from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from .full_state_dict import gather_unsharded
+from .full_state_dict import gather_items_to, gather_unsharded
 from .owners import owner_of
 from .piece_dtensor import PieceDTensor, piece_dtensor
 from .state_dict import full_value, standard_dtensor
@@ -126,6 +127,99 @@ def _standardize_group(group: "ParameterGroup", entries: list[tuple[int, int]], 
         del flat, local
 
 
+# -- whole tensors on one rank (legacy one-file checkpoints) ----------------------------------
+def packed_param_groups(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """``param_groups`` as ``Optimizer.state_dict()`` packs them (hyper-parameters, and
+    ``params`` as integer ids numbered by first appearance), without its hooks."""
+    ids: dict[int, int] = {}
+    groups = []
+    for group in optimizer.param_groups:
+        packed = {k: v for k, v in group.items() if k != "params"}
+        packed["params"] = [ids.setdefault(id(p), len(ids)) for p in group["params"]]
+        groups.append(packed)
+    return groups
+
+
+@torch.no_grad()
+def gather_optimizer_state_to(
+    optimizer: torch.optim.Optimizer,
+    *,
+    dst: int = 0,
+    pg: Optional[dist.ProcessGroup] = None,
+    comm_device: Optional[torch.device] = None,
+    device: "torch.device | str" = "cpu",
+) -> dict:
+    """``Optimizer.state_dict()``'s structure with every per-parameter tensor whole
+    and private on ``device``, on global rank ``dst``; ``{}`` on the others.
+
+    Sharded state travels to ``dst`` shard by shard, one group and state key at a
+    time (``full_state_dict.gather_items_to``): no rank holds a group's state
+    unsharded on the device, and only ``dst``'s host memory holds the result
+    (``optimizer.state_dict()`` instead all-gathers each group's state on every
+    rank). Replicated state is copied by ``dst`` alone. Collective: every rank calls
+    it with the same parameters and state keys."""
+    device = torch.device(device)
+    keep = dist.get_rank() == dst
+    params = indexed_params(optimizer)
+    states: dict[int, dict] = {}
+    sharded: dict["MegatronFSDP", dict["ParameterGroup", list[tuple[int, int]]]] = {}
+    for index, param in params.items():
+        live = optimizer.state.get(param)
+        if live is None:
+            continue
+        model = owner_of(param)
+        slot = model.param_and_grad_buffer.dist_slot(param) if model is not None else None
+        if slot is not None and slot[0].strategy.shards_optimizer:
+            sharded.setdefault(model, {}).setdefault(slot[0], []).append((index, slot[1]))
+        if keep:
+            states[index] = {k: _private(v, device) for k, v in live.items()
+                             if slot is None or not slot[0].strategy.shards_optimizer or not _is_piece(v, param)}
+    for model in _models(params.values()):  # first-appearance order: the same on every rank
+        entries = sharded.get(model, {})
+        for group in model.param_and_grad_buffer.groups:  # the buffer's order, as every rank
+            if group in entries:
+                _gather_group_state(group, entries[group], params, optimizer, states if keep else None,
+                                    dst=dst, pg=pg, comm_device=comm_device, device=device)
+    if not keep:
+        return {}
+    # Keys in the optimizer's order, as Optimizer.state_dict() lists them.
+    return {"state": {i: states[i] for i in sorted(states)}, "param_groups": packed_param_groups(optimizer)}
+
+
+def _private(value: Any, device: torch.device) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return value
+    local = value.to_local() if isinstance(value, DTensor) else value  # replicated: the whole tensor
+    return local.detach().to(device, copy=True)
+
+
+def _gather_group_state(group: "ParameterGroup", entries: list[tuple[int, int]], params: dict[int, torch.Tensor],
+                        optimizer: torch.optim.Optimizer, states: Optional[dict], **send) -> None:
+    """One sharded group's parameter-shaped state, key by key, to ``dst`` (``states``
+    there, ``None`` elsewhere): this rank's pieces laid into its shard of the flat
+    bucket, then ``gather_items_to``."""
+    keys = sorted({k for i, item in entries for k, v in optimizer.state[params[i]].items()
+                   if _is_piece(v, group.params[item])})
+    layout = group.optimizer_layout
+    base = group.dp.optimizer_rank * layout.shard_numel
+    for key in keys:
+        like = next(optimizer.state[params[i]][key] for i, item in entries
+                    if _is_piece(optimizer.state[params[i]].get(key), group.params[item]))
+        local = torch.zeros(layout.shard_numel, dtype=like.dtype, device=like.to_local().device)
+        for i, item in entries:
+            value = optimizer.state[params[i]].get(key)
+            start, numel = group.optimizer_piece(item)
+            if _is_piece(value, group.params[item]) and numel:
+                local[start - base : start - base + numel].copy_(value.to_local().reshape(-1))
+        items = gather_items_to(group, local, **send)
+        del local
+        if states is None or items is None:
+            continue
+        for i, item in entries:
+            if _is_piece(optimizer.state[params[i]].get(key), group.params[item]):
+                states[i][key] = items[item].view(group.params[item].shape)
+
+
 # -- load_state_dict(): any layout -> flat pieces ----------------------------------------------
 @torch.no_grad()
 def flatten_optimizer_state_dict(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
@@ -164,12 +258,14 @@ def _flat_piece(model: "MegatronFSDP", param: DTensor, value: torch.Tensor) -> D
     """This rank's part of ``value`` (any DTensor layout or a full tensor of
     ``param``'s shape), cut and wrapped as ``param`` is. Collective for DTensors."""
     local = param.to_local()
-    full = full_value(value, local.device)
     if local.shape == param.shape:  # replicated: the whole tensor
-        piece = full.to(dtype=local.dtype, copy=True)
+        piece = full_value(value, local.device).to(dtype=local.dtype, copy=True)
     else:
         start = model.param_and_grad_buffer.local_flat_start(param)
-        piece = full.reshape(-1)[start : start + local.numel()].to(dtype=local.dtype, copy=True)
+        # A plain tensor is cut where it is (host memory, possibly a memory-mapped
+        # file) and only the piece moves; a DTensor is gathered whole first.
+        full = value if not isinstance(value, DTensor) else full_value(value, local.device)
+        piece = full.reshape(-1)[start : start + local.numel()].to(device=local.device, dtype=local.dtype, copy=True)
     if isinstance(param, PieceDTensor):  # keep the parameter's type (piece_dtensor.py)
         return piece_dtensor(piece, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
     return DTensor.from_local(
@@ -185,4 +281,5 @@ def state_dict_hooks(optimizer: torch.optim.Optimizer) -> list[Any]:
     ]
 
 
-__all__ = ["flatten_optimizer_state_dict", "indexed_params", "standardize_optimizer_state_dict", "state_dict_hooks"]
+__all__ = ["flatten_optimizer_state_dict", "gather_optimizer_state_to", "indexed_params", "packed_param_groups",
+           "standardize_optimizer_state_dict", "state_dict_hooks"]

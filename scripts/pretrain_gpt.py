@@ -96,6 +96,10 @@ def describe_run(args, device: torch.device, num_parameters: int) -> None:
     logger.info("> data: %s (%s), global batch %d = micro batch %d x %d micro batches x %d ranks",
                 data, args.tokenizer_type, args.global_batch_size, args.micro_batch_size,
                 args.num_microbatches, args.data_parallel_size)
+    if (args.eval_global_batch_size, args.eval_micro_batch_size) != (args.global_batch_size, args.micro_batch_size):
+        logger.info("> evaluation: global batch %d = micro batch %d x %d micro batches x %d ranks",
+                    args.eval_global_batch_size, args.eval_micro_batch_size, args.eval_num_microbatches,
+                    args.data_parallel_size)
     ramp = args.batch_schedule.rampup
     if ramp is not None:
         logger.info("> batch size rampup from global batch size %d to %d in increments of %d over %d samples "
@@ -146,10 +150,12 @@ def maybe_evaluate(args, ctx, state, valid_src, metrics, dash) -> None:
     split (each evaluation moves on; the position is checkpointed with the progress)."""
     if valid_src is None or args.eval_iters == 0:
         return
-    # ctx.layout is --global-batch-size's whatever the ramp-up or step schedule is at
-    # (Megatron-LM's evaluation batch size defaults to it; micro batch x DP with a step schedule).
-    loss = evaluate(ctx, valid_src, args.eval_iters, state.consumed_valid_samples)
-    state.consumed_valid_samples += args.eval_iters * args.global_batch_size
+    # Megatron-LM's evaluation batch: --eval-global-batch-size in --eval-micro-batch-size micro batches
+    # (defaults: the training values, micro batch x DP with a step schedule), whatever the ramp-up is at.
+    layout = dataclasses.replace(ctx.layout, micro_batch_size=args.eval_micro_batch_size,
+                                 num_microbatches=args.eval_num_microbatches)
+    loss = evaluate(dataclasses.replace(ctx, layout=layout), valid_src, args.eval_iters, state.consumed_valid_samples)
+    state.consumed_valid_samples += args.eval_iters * args.eval_global_batch_size
     log_validation(state.iteration, loss)
     metrics.validation.append((state.iteration, loss))
     dashboards_mod.write_validation_scalars(dash, args, loss, validation_ppl(loss), state.iteration,
@@ -228,13 +234,14 @@ def next_batch(args, ctx: StepContext, state: TrainState, saver: "Saver", micro_
     if batch.num_microbatches == ctx.layout.num_microbatches:
         return batch, ctx
     layout = dataclasses.replace(ctx.layout, num_microbatches=batch.num_microbatches)
-    return batch, dataclasses.replace(ctx, layout=layout)  # evaluation keeps ctx's --global-batch-size layout
+    return batch, dataclasses.replace(ctx, layout=layout)  # evaluation builds its own (maybe_evaluate)
 
 
 def write_iteration_dashboards(args, dash, state: TrainState, result, batch_size: int, balancing_name: str) -> None:
     """One iteration's TensorBoard/W&B scalars: the MoE balancing loss every iteration (as
     Megatron-core writes it), the training scalars every --tensorboard-log-interval."""
     dashboards_mod.write_moe_scalars(dash, result.load_balancing_loss, state.iteration, balancing_name)
+    dashboards_mod.write_mtp_scalars(dash, result.mtp_losses, state.iteration)
     if state.iteration % args.tensorboard_log_interval == 0:
         dashboards_mod.write_training_scalars(
             dash, args, iteration=state.iteration, consumed_samples=state.consumed_train_samples,

@@ -6,6 +6,8 @@ former behaviour. No process group, no subprocess.
 
 from __future__ import annotations
 
+import dataclasses
+
 import importlib.util
 import math
 import types
@@ -120,6 +122,13 @@ def _load_script():
     return script
 
 
+@dataclasses.dataclass
+class _Context:
+    """The one StepContext field maybe_evaluate reads (evaluate itself is replaced)."""
+
+    layout: object
+
+
 def test_each_evaluation_reads_the_next_validation_batches(monkeypatch):
     # Megatron-LM's validation iterator is not rewound: evaluation k reads batches
     # [k * eval_iters, (k + 1) * eval_iters) and consumed_valid_samples is checkpointed.
@@ -130,12 +139,21 @@ def test_each_evaluation_reads_the_next_validation_batches(monkeypatch):
     monkeypatch.setattr(script, "evaluate", lambda ctx, src, iters, consumed: starts.append(consumed) or 1.0)
     monkeypatch.setattr(script, "log_validation", lambda *a: None)
     monkeypatch.setattr(script.dashboards_mod, "write_validation_scalars", lambda *a: None)
-    args = types.SimpleNamespace(eval_iters=3, global_batch_size=8)
+    from megatron_fsdp.training.data import BatchLayout
+
+    # Training batch 4 (micro batch 2 x 2, one rank); evaluation --eval-global-batch-size 8.
+    args = types.SimpleNamespace(eval_iters=3, global_batch_size=4, eval_global_batch_size=8,
+                                 eval_micro_batch_size=2, eval_num_microbatches=4)
+    ctx = _Context(layout=BatchLayout(micro_batch_size=2, num_microbatches=2, dp_rank=0, dp_size=1))
+    layouts = []
+    monkeypatch.setattr(script, "evaluate", lambda ctx, src, iters, consumed: layouts.append(ctx.layout)
+                        or starts.append(consumed) or 1.0)
     state = TrainState()
     metrics = types.SimpleNamespace(validation=[])
     for _ in range(3):
-        script.maybe_evaluate(args, None, state, object(), metrics, None)
+        script.maybe_evaluate(args, ctx, state, object(), metrics, None)
     assert starts == [0, 24, 48] and state.consumed_valid_samples == 72
+    assert all((l.micro_batch_size, l.num_microbatches) == (2, 4) for l in layouts)  # the evaluation batch
     restored = TrainState()
     restored.load_state_dict(state.state_dict())
     assert restored.consumed_valid_samples == 72

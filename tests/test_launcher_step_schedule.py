@@ -144,7 +144,7 @@ def test_launcher_derives_the_schedule_and_a_sample_clock():
 
 
 # The GPT-3 15B recipes' batch and schedule flags (tensor / pipeline parallel 1 here); the *_gb200 ones
-# differ only in --eval-global-batch-size (not implemented here) and the parallel layout.
+# differ only in --eval-global-batch-size (tests/test_launcher_eval_batch.py) and the parallel layout.
 RECIPES = {
     "gpt3_15b_8t_release": 19531250,
     "gpt3_15b_8t_release_sm": 4882812,

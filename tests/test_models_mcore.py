@@ -65,12 +65,18 @@ def _mcore_on_cpu():
     """The CPU bridge (tests/mcore_cpu_shim.py), with megatron-core's process-wide aux-loss
     tracker emptied before and after: a pooled worker builds many models, and an entry
     one of them left (sized by its layer count, named by its balancing type) must not
-    reach the next."""
+    reach the next. Likewise the aux-loss gradient scale (``MoEAuxLossAutoScaler``,
+    class-level), which a launcher run in the same worker sets to 1 / micro batches:
+    reset to megatron-core's default 1."""
     from megatron.core.transformer.moe import moe_utils
 
     from mcore_cpu_shim import cpu_shim
 
     moe_utils.get_moe_layer_wise_logging_tracker().clear()
+    moe_utils.MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
+    MTPLossAutoScaler.set_loss_scale(torch.tensor(1.0))  # the same for multi-token prediction's loss
     try:
         with cpu_shim(), mock.patch.object(moe_utils, "te_general_gemm", None, create=True):
             yield

@@ -104,6 +104,9 @@ class _Tracker:
         self.values = 0.0
         self.events.append("clear")
 
+    def set_moe_aux_loss_scale(self, scale):
+        self.events.append("scale")
+
     def __call__(self):
         self.events.append("read")
         return torch.tensor(self.values)
@@ -121,7 +124,7 @@ def test_megatron_core_balancing_loss_is_read_per_micro_batch():
     ctx.bundle.loss_fn = recording_loss_fn
     tracker.values = 100.0  # left over from an evaluation forward: must not leak in
     result = train_step(ctx, TrainState(), MockDataset(16, 8, seed=1))
-    assert tracker.events == ["clear", "read"] * 3
+    assert tracker.events == ["scale"] + ["clear", "read"] * 3  # megatron-core's aux-loss factor set first
     assert abs(result.load_balancing_loss - 1.5) < 1e-12  # mean over micro batches, one rank
 
 

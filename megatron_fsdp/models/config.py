@@ -279,6 +279,10 @@ class GPTConfig:
     moe_router_group_topk: Optional[int] = None
     """Group-limited routing: each token first picks this many groups (by the sum of each
     group's top topk/group_topk scores), then its k experts among theirs. ``None``: off."""
+    moe_router_force_load_balancing: bool = False
+    """Benchmarking mode (Megatron's ``--moe-router-force-load-balancing``): every router
+    routes on standard-normal noise instead of its logits, the gradient passing straight
+    through to the logits. See forced_routing.py."""
     moe_shared_expert_intermediate_size: Optional[int] = None
     """Width of a shared expert MLP that every token goes through besides its routed
     experts (its output is added); ``None`` = no shared expert. As in Megatron-core it
@@ -333,6 +337,17 @@ class GPTConfig:
     beta_slow: float = 1.0
     """YaRN's slow-rotation boundary; megatron-core's default."""
 
+    # -- multi-token prediction (DeepSeek-V3 MTP; see mtp.py) ---------------------------
+    mtp_num_layers: Optional[int] = None
+    """Prediction depths (Megatron's ``--mtp-num-layers``): depth k (1-based) reads the
+    previous depth's hidden state and the embedding of the token k places ahead, runs one
+    transformer layer of the last decoder layer's kind, and predicts the token k + 1
+    places ahead through the shared output layer. Its loss only adds gradients; the
+    logits and the language-model loss stay the main model's. ``None``: no MTP."""
+    mtp_loss_scaling_factor: float = 0.1
+    """Weight of the MTP loss (Megatron's ``--mtp-loss-scaling-factor``): the mean over
+    the depths of their token-mean losses, times this, joins the training objective."""
+
     # -- legacy spellings (kept so existing callers keep working) --------------------
     tie_embeddings: Optional[bool] = None
     """Old name: ``tie_embeddings=False`` is ``untie_embeddings_and_output_weights=True``.
@@ -362,6 +377,7 @@ class GPTConfig:
         self._check_regularisation()
         self._check_moe()
         self._check_mla()
+        self._check_mtp()
 
     # -- validation ----------------------------------------------------------------------
     def _resolve_legacy(self) -> None:
@@ -559,6 +575,23 @@ class GPTConfig:
                 raise ValueError(f"{name}={getattr(self, name)} with rotary_scaling_factor="
                                  f"{self.rotary_scaling_factor} gives a YaRN scale 0.1 * {name} * ln(factor) + 1 "
                                  "<= 0; use a larger value")
+
+    def _check_mtp(self) -> None:
+        depths = self.mtp_num_layers
+        if depths is None:
+            return
+        if not isinstance(depths, int) or isinstance(depths, bool) or depths <= 0:
+            raise ValueError(f"mtp_num_layers={depths!r} must be a positive integer, or None for no multi-token "
+                             "prediction")
+        if not math.isfinite(self.mtp_loss_scaling_factor) or self.mtp_loss_scaling_factor < 0:
+            raise ValueError(f"mtp_loss_scaling_factor={self.mtp_loss_scaling_factor} must be a finite number >= 0")
+        method, layers = self.recompute_plan
+        if self.recompute_granularity is RecomputeGranularity.FULL and method is RecomputeMethod.UNIFORM \
+                and layers != 1:
+            # megatron-core checkpoints each MTP layer on its own and asserts this.
+            raise ValueError(f"mtp_num_layers with uniform full recomputation needs recompute_num_layers=1 "
+                             f"(got {layers}; megatron-core refuses MTP otherwise); pass --recompute-num-layers 1 "
+                             "or --recompute-method block")
 
     # -- derived -------------------------------------------------------------------------
     @property

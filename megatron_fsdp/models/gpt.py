@@ -4,6 +4,8 @@ Llama families that Megatron-LM's model flags describe (see ``config.py``).
     tokens (b, t) -> embedding [+ learned positions] -> dropout
                   -> num_layers x TransformerBlock (attention with RoPE/GQA, MLP/swiglu or MoE)
                   -> final norm -> output layer (tied to the embedding, or its own) -> logits (b, t, vocab)
+                  [-> with mtp_num_layers and labels, in training: the multi-token prediction
+                      depths (mtp.py), whose loss only adds gradients]
 
 Every module initialises its own parameters in ``reset_parameters()``, so the
 model can be built on the meta device and materialised unit by unit with the same
@@ -12,14 +14,19 @@ numbers as an eager build under the same seed.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .config import GPTConfig, PositionEmbeddingType, RecomputeGranularity, RecomputeMethod
+from .forced_routing import share_stream
 from .layers import InitEmbedding, InitLinear, build_norm
 from .moe import MoELayer
+from .mtp import MultiTokenPrediction
 from .transformer import TransformerBlock
 
 # GPTConfig and TransformerBlock are imported from here by existing callers.
@@ -40,32 +47,56 @@ class GPT(nn.Module):
         self.lm_head = InitLinear(cfg.hidden_size, cfg.vocab_size, bias=False, std=std)
         if not cfg.untie_embeddings_and_output_weights:
             self.lm_head.weight = self.wte.weight
+        # Built before the routers share their noise stream: MTP MoE routers draw from it too.
+        self.mtp = MultiTokenPrediction(cfg) if cfg.mtp_num_layers else None
         # megatron-core's mark (LanguageModule), read by --decoupled-lr's grouping.
         self.wte.weight.is_embedding_or_output_parameter = True
         self.lm_head.weight.is_embedding_or_output_parameter = True
+        # --moe-router-force-load-balancing: one noise stream for all routers, as megatron-core's.
+        self.forced_routing = share_stream([layer.router for layer in self.moe_layers()])
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens: (batch, time) int64 -> logits (batch, time, vocab)."""
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens: (batch, time) int64 -> logits (batch, time, vocab). ``labels`` (batch, time):
+        the next tokens, read only by multi-token prediction (training forwards with gradients)."""
         cfg = self.config
         t = tokens.shape[1]
         if t > cfg.seq_length:
             raise ValueError(f"sequence of {t} tokens exceeds seq_length={cfg.seq_length}")
-        x = self.wte(tokens)  # (b, t, hidden)
-        if cfg.position_embedding_type is PositionEmbeddingType.LEARNED_ABSOLUTE:
-            x = x + self.wpe(torch.arange(t, device=tokens.device))
-        if cfg.hidden_dropout and self.training:
-            x = F.dropout(x, cfg.hidden_dropout, training=True)  # Megatron's embedding dropout
+        x = self._embed(tokens, torch.arange(t, device=tokens.device))  # (b, t, hidden)
         for start, end, recompute in self._block_chunks():
             if recompute and torch.is_grad_enabled():
-                x = checkpoint(self._run_blocks, x, start, end, use_reentrant=False)
+                x = checkpoint(self._run_blocks, x, start, end, use_reentrant=False,
+                               context_fn=self._recompute_contexts)
             else:
                 x = self._run_blocks(x, start, end)
-        return self.lm_head(self.ln_f(x))
+        x = self.ln_f(x)
+        if labels is not None and self.mtp is not None and self.training and torch.is_grad_enabled():
+            x = self.mtp(x, tokens, labels, embed=self._embed, output=self.lm_head,
+                         context_fn=self._recompute_contexts)
+        return self.lm_head(x)
+
+    def _embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """tokens (b, t), positions (t,) or (b, t) -> embeddings (b, t, hidden), learned positions
+        added and Megatron's embedding dropout applied; the MTP depths embed through it too."""
+        cfg = self.config
+        x = self.wte(tokens)
+        if cfg.position_embedding_type is PositionEmbeddingType.LEARNED_ABSOLUTE:
+            x = x + self.wpe(positions)
+        if cfg.hidden_dropout and self.training:
+            x = F.dropout(x, cfg.hidden_dropout, training=True)  # Megatron's embedding dropout
+        return x
 
     def _run_blocks(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
         for block in self.blocks[start:end]:
             x = block(x)
         return x
+
+    def _recompute_contexts(self):
+        """The recomputation replays the forced-routing noise of the first forward
+        (forced_routing.py, [Note: forced routing under recomputation])."""
+        if self.forced_routing is None:
+            return contextlib.nullcontext(), contextlib.nullcontext()
+        return self.forced_routing.checkpoint_contexts()
 
     def _block_chunks(self) -> list[tuple[int, int, bool]]:
         """(first block, end, checkpointed?) runs of blocks, per the recompute settings."""
@@ -119,6 +150,18 @@ class GPT(nn.Module):
         for a dense model or with ``moe_aux_loss_coeff=0``."""
         losses = [layer.last_aux_loss for layer in self.moe_layers() if layer.last_aux_loss is not None]
         return torch.stack(losses).sum() if losses else None
+
+    # -- multi-token prediction ----------------------------------------------------------
+    def set_mtp_loss_settings(self, **changes) -> None:
+        """Fields of ``mtp.MTPLossSettings`` (the MTP loss's gradient factor, per-token
+        mode, bf16 logits gradient); nothing without multi-token prediction."""
+        if self.mtp is not None:
+            self.mtp.settings = dataclasses.replace(self.mtp.settings, **changes)
+
+    def mtp_losses(self) -> torch.Tensor | None:
+        """Each MTP depth's token-mean loss (D,) of the latest training forward, detached, on
+        the model's device (Megatron-LM logs them as ``mtp_1 loss`` ...); None without MTP."""
+        return self.mtp.last_losses if self.mtp is not None else None
 
 
 def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

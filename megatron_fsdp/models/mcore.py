@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -43,6 +45,27 @@ def mcore_unsupported(cfg: GPTConfig) -> list[str]:
     Every ``GPTConfig`` setting is mapped today; a setting added to ``GPTConfig``
     before its mapping exists belongs here, so it is refused rather than dropped."""
     return []
+
+
+def megatron_core_rescales_per_token_mtp() -> bool:
+    """Whether the installed megatron-core weighs per-token MTP losses by their rolled token
+    count as the pinned Megatron-LM does (newer than 0.16.1). Read from its source without
+    importing it, so validation can ask before anything is built."""
+    spec = importlib.util.find_spec("megatron.core.transformer.multi_token_prediction")
+    if spec is None or spec.origin is None:
+        return False
+    with open(spec.origin) as f:
+        return "original_num_tokens" in f.read()
+
+
+def per_token_rolled_count_problem(mtp_num_layers: Optional[int], per_token: bool) -> Optional[str]:
+    """Why megatron-core cannot give Megatron-LM's per-token MTP gradient here, or None."""
+    if not per_token or not mtp_num_layers or mtp_num_layers == 1 or megatron_core_rescales_per_token_mtp():
+        return None
+    return (f"--use-mcore-models with --calculate-per-token-loss and --mtp-num-layers {mtp_num_layers}: the installed "
+            "megatron-core (0.16.1) weighs each MTP depth's per-token loss differently from Megatron-LM (no rescaling "
+            "by the depth's token count), which no single factor corrects beyond one depth; use --mtp-num-layers 1, "
+            "drop --calculate-per-token-loss, or drop --use-mcore-models (the embedded GPT computes Megatron-LM's)")
 
 
 class ZeroCenteredMcoreNorm(ZeroCenteredNorm):
@@ -116,7 +139,8 @@ def _decoder_spec(cfg: GPTConfig, config):
     return _zero_centred(spec)
 
 
-def mcore_args(cfg: GPTConfig, *, seed: int = 1234, params_dtype: torch.dtype = torch.float32) -> argparse.Namespace:
+def mcore_args(cfg: GPTConfig, *, seed: int = 1234, params_dtype: torch.dtype = torch.float32,
+               calculate_per_token_loss: bool = False) -> argparse.Namespace:
     """``cfg`` under Megatron-LM's argument names (what ``transformer_config_from_args`` reads)."""
     return argparse.Namespace(
         num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
@@ -129,6 +153,7 @@ def mcore_args(cfg: GPTConfig, *, seed: int = 1234, params_dtype: torch.dtype = 
         position_embedding_type=cfg.position_embedding_type.value, rotary_base=cfg.rotary_base,
         rotary_percent=cfg.rotary_percent, seed=seed,
         bf16=params_dtype is torch.bfloat16, fp16=params_dtype is torch.float16,
+        calculate_per_token_loss=calculate_per_token_loss,
     )
 
 
@@ -176,6 +201,7 @@ def _transformer_config(cfg: GPTConfig, args: argparse.Namespace, *, cross_entro
                        moe_router_num_groups=cfg.moe_router_num_groups,
                        moe_router_group_topk=cfg.moe_router_group_topk,
                        moe_router_dtype=cfg.moe_router_dtype.value if cfg.moe_router_dtype is not None else None,
+                       moe_router_force_load_balancing=cfg.moe_router_force_load_balancing,
                        moe_layer_freq=cfg.moe_layer_freq)
     if cfg.qk_layernorm:
         changes["qk_layernorm"] = True  # read by get_gpt_decoder_block_spec (Megatron-LM: --qk-layernorm)
@@ -185,6 +211,8 @@ def _transformer_config(cfg: GPTConfig, args: argparse.Namespace, *, cross_entro
         changes["rotary_interleaved"] = True  # Megatron-LM: --rotary-interleaved
     if cfg.attention_output_gate:
         changes["attention_output_gate"] = True  # Megatron-LM: --attention-output-gate
+    if cfg.mtp_num_layers:  # Megatron-LM: --mtp-num-layers, --mtp-loss-scaling-factor
+        changes.update(mtp_num_layers=cfg.mtp_num_layers, mtp_loss_scaling_factor=cfg.mtp_loss_scaling_factor)
     config = transformer_config_from_args(args)
     if cfg.multi_latent_attention:
         from .mcore_mla import mla_transformer_config
@@ -195,10 +223,14 @@ def _transformer_config(cfg: GPTConfig, args: argparse.Namespace, *, cross_entro
 
 
 def build_mcore_gpt(cfg: GPTConfig, *, seed: int = 1234, params_dtype: torch.dtype = torch.float32,
-                    allow_cpu: bool = False, cross_entropy_loss_fusion: bool = False) -> nn.Module:
+                    allow_cpu: bool = False, cross_entropy_loss_fusion: bool = False,
+                    calculate_per_token_loss: bool = False) -> nn.Module:
     """megatron-core's ``GPTModel`` (local spec) with ``cfg``'s architecture
     (``cross_entropy_loss_fusion``: Megatron-LM's ``--cross-entropy-loss-fusion`` for
-    the loss it computes when given labels).
+    the loss it computes when given labels; ``calculate_per_token_loss``: Megatron-LM's
+    ``--calculate-per-token-loss``, read by its MoE and MTP losses and by Megatron-FSDP's
+    gradient reduction). With ``cfg.mtp_num_layers`` the model carries megatron-core's
+    multi-token prediction block (mcore_mtp.py).
 
     Needs megatron-core and an initialised ``torch.distributed`` (its parallel state
     is set up for TP = PP = EP = 1 if it is not yet). Weights come from torch's
@@ -222,17 +254,28 @@ def build_mcore_gpt(cfg: GPTConfig, *, seed: int = 1234, params_dtype: torch.dty
     ensure_model_parallel_initialized()
     if cfg.num_moe_experts:
         _define_missing_te_gemm()
-    args = mcore_args(cfg, seed=seed, params_dtype=params_dtype)
+    args = mcore_args(cfg, seed=seed, params_dtype=params_dtype, calculate_per_token_loss=calculate_per_token_loss)
     config = _transformer_config(cfg, args, cross_entropy_loss_fusion=cross_entropy_loss_fusion)
     if device.cuda_available() and not tensor_parallel.get_cuda_rng_tracker().is_initialized():
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    decoder_spec = _decoder_spec(cfg, config)
+    mtp_spec = None
+    if cfg.mtp_num_layers:
+        from .mcore_mtp import mtp_block_spec
+
+        problem = per_token_rolled_count_problem(cfg.mtp_num_layers, calculate_per_token_loss)
+        if problem:
+            raise ValueError(problem)
+        mtp_spec = mtp_block_spec(config, decoder_spec)
+        if cfg.apply_layernorm_1p:
+            mtp_spec = _zero_centred(mtp_spec)  # its enorm / hnorm / final norm too
     return GPTModel(
-        config=config, transformer_layer_spec=_decoder_spec(cfg, config), vocab_size=cfg.vocab_size,
+        config=config, transformer_layer_spec=decoder_spec, vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.seq_length,
         pre_process=True, post_process=True, parallel_output=True,
         share_embeddings_and_output_weights=not cfg.untie_embeddings_and_output_weights,
         position_embedding_type=cfg.position_embedding_type.value, rotary_percent=cfg.rotary_percent,
-        rotary_base=cfg.rotary_base,
+        rotary_base=cfg.rotary_base, mtp_block_spec=mtp_spec,
     )
 
 
@@ -285,19 +328,40 @@ def _mcore_name(name: str) -> str:
         return top[name]
     if name.startswith("ln_f."):
         return "decoder.final_layernorm." + name[len("ln_f."):]
+    if name.startswith("mtp."):
+        return _mcore_mtp_name(name)
     _, index, rest = name.split(".", 2)  # blocks.<i>.<rest>
+    return _mcore_layer_name(f"decoder.layers.{index}", rest)
+
+
+def _mcore_layer_name(prefix: str, rest: str) -> str:
+    """``rest`` inside one of our ``TransformerBlock`` -> megatron-core's name inside the
+    ``TransformerLayer`` at ``prefix``."""
     if rest.startswith("mlp.experts."):
         _, _, expert, module, leaf = rest.split(".")  # mlp.experts.<e>.<fc|proj>.<leaf>
         linear = {"fc": "linear_fc1", "proj": "linear_fc2"}[module]
-        return f"decoder.layers.{index}.mlp.experts.local_experts.{expert}.{linear}.{leaf}"
+        return f"{prefix}.mlp.experts.local_experts.{expert}.{linear}.{leaf}"
     module, leaf = rest.rsplit(".", 1)
     if module in _LEAF_NAMES:
-        return f"decoder.layers.{index}.{_LEAF_NAMES[module]}"
+        return f"{prefix}.{_LEAF_NAMES[module]}"
     if module in _MLA_NAMES:  # MultiLatentAttention's own names are megatron-core's
-        return f"decoder.layers.{index}.self_attention.{module[len('attn.'):]}.{leaf}"
+        return f"{prefix}.self_attention.{module[len('attn.'):]}.{leaf}"
     if module == "attn.qkv":
-        return f"decoder.layers.{index}.self_attention.linear_qkv.{leaf}"
-    return f"decoder.layers.{index}.{_LAYER_NAMES[module]}.{leaf}"
+        return f"{prefix}.self_attention.linear_qkv.{leaf}"
+    return f"{prefix}.{_LAYER_NAMES[module]}.{leaf}"
+
+
+_MTP_NAMES = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "final_norm": "final_layernorm"}
+
+
+def _mcore_mtp_name(name: str) -> str:
+    """mtp.layers.<k>.<rest> (models/mtp.py) -> megatron-core's MultiTokenPredictionLayer names."""
+    _, _, depth, rest = name.split(".", 3)
+    prefix = f"mtp.layers.{depth}"
+    if rest.startswith("block."):
+        return _mcore_layer_name(f"{prefix}.transformer_layer", rest[len("block."):])
+    module, leaf = rest.split(".", 1)
+    return f"{prefix}.{_MTP_NAMES[module]}.{leaf}"
 
 
 def to_mcore_state_dict(state_dict: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, torch.Tensor]:
@@ -342,6 +406,16 @@ class McoreBalancingLoss:
         if entry is not None:
             entry["values"].zero_()
 
+    @staticmethod
+    def set_moe_aux_loss_scale(scale: float) -> None:
+        """The gradient megatron-core's routers hand their aux losses (``MoEAuxLossAutoScaler``),
+        which Megatron-LM's forward step sets every micro batch: the loss scale over the micro
+        batches, the loss scale alone in per-token mode. Left at its default 1, a run of M
+        micro batches weighed the balancing loss M times too much."""
+        from megatron.core.transformer.moe.router import MoEAuxLossAutoScaler
+
+        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(scale, dtype=torch.float32))
+
     def __call__(self) -> "torch.Tensor | None":
         entry = self._tracker().get(self.name)
         if entry is None:  # coefficient 0 or no loss: megatron-core records nothing, Megatron-LM logs nothing
@@ -351,7 +425,21 @@ class McoreBalancingLoss:
 
 def balancing_loss_reader(cfg: GPTConfig) -> "McoreBalancingLoss | None":
     """The reader for an MoE ``cfg``, averaging over its MoE layers (as Megatron-LM's
-    ``track_moe_metrics`` with ``moe_layer_freq``); ``None`` for a dense model."""
+    ``track_moe_metrics`` with ``moe_layer_freq``), the MTP depths' included when they
+    are MoE; ``None`` for a dense model."""
+    from .mtp import mtp_moe_layers
+
     if cfg.num_moe_experts is None:
         return None
-    return McoreBalancingLoss(sum(cfg.moe_layer_pattern), cfg.moe_router_load_balancing_type.log_name)
+    return McoreBalancingLoss(sum(cfg.moe_layer_pattern) + mtp_moe_layers(cfg),
+                              cfg.moe_router_load_balancing_type.log_name)
+
+
+def mtp_loss_reader(cfg: GPTConfig, *, sequence_length: int, per_token: bool):
+    """What the launcher drives of megatron-core's MTP (``mcore_mtp.McoreMTPLoss``) for an
+    MTP ``cfg`` trained on ``sequence_length``-token samples; ``None`` without MTP."""
+    if not cfg.mtp_num_layers:
+        return None
+    from .mcore_mtp import McoreMTPLoss
+
+    return McoreMTPLoss(cfg, sequence_length=sequence_length, per_token=per_token)

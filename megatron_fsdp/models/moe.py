@@ -144,7 +144,7 @@ class MoELayer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])  # (n, hidden), n = b * t
-        logits = self.router(tokens)  # (n, E), in the router dtype
+        logits = self.router(tokens, sequences=x.shape[0])  # (n, E), in the router dtype
         probs, indices = self.routing(logits)  # (n, k), (n, k)
         self.router.count_routed(indices)  # expert bias: tokens per expert of training forwards
         out = None

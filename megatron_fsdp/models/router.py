@@ -2,6 +2,8 @@
 group-limited, expert bias, Sinkhorn) and the balancing losses, with the semantics
 of megatron-core's ``TopKRouter`` (``moe_utils.topk_routing_with_score_function``,
 ``switch_load_balancing_loss_func``, ``sinkhorn``); ``moe.py`` runs the experts.
+With ``moe_router_force_load_balancing`` the router's logits are replaced by noise
+(``forced_routing.py``) before anything below sees them.
 
 Shapes: n tokens, E experts, k = topk, G groups of E / G experts.
 
@@ -56,6 +58,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .config import GPTConfig, MoELoadBalancing, RouterDtype, ScoreFunction
+from .forced_routing import ForcedRoutingStream, random_logits
 
 _ROUTER_DTYPES = {RouterDtype.FP32: torch.float32, RouterDtype.FP64: torch.float64}
 _FP32_STATE = ("expert_bias", "local_tokens_per_expert", "global_tokens_per_expert", "ga_steps")
@@ -252,6 +255,10 @@ class TopKRouter(nn.Module):
             self.register_buffer("ga_steps", torch.zeros(()), persistent=False)
         else:
             self.global_tokens_per_expert = self.ga_steps = None
+        self.forced_routing: Optional[ForcedRoutingStream] = (
+            ForcedRoutingStream.from_torch_seed() if cfg.moe_router_force_load_balancing else None)
+        """``--moe-router-force-load-balancing``: the noise that replaces the logits (a GPT
+        shares one stream among its routers); None: route on the logits."""
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -276,7 +283,16 @@ class TopKRouter(nn.Module):
                 self._buffers[name] = after.float() if before.is_meta or after.is_meta else before.to(after.device)
         return self
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, sequences: int = 1) -> torch.Tensor:
+        """tokens (n, hidden), batch-major rows of ``sequences`` sequences -> logits (n, E)
+        (with forced routing, the noise that replaces them: forced_routing.py)."""
+        logits = self.gating(tokens)
+        if self.forced_routing is not None:
+            logits = random_logits(logits, self.forced_routing, sequences)
+        return logits
+
+    def gating(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The gating linear: tokens (n, hidden) -> logits (n, E) (megatron-core's name)."""
         if self.router_dtype is None:
             return F.linear(tokens, self.weight, self.bias)  # (n, hidden) -> (n, E), the tokens' compute dtype
         bias = None if self.bias is None else self.bias.to(self.router_dtype)

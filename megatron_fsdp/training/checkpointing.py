@@ -15,6 +15,7 @@ import logging
 import os
 import random
 import shutil
+import sys
 from typing import Any, Optional
 
 import numpy as np
@@ -85,8 +86,15 @@ def _checkpoint_api():
 
 
 def rng_state(device: torch.device = torch.device("cpu")) -> dict[str, Any]:
-    """Python, torch CPU and (where CUDA is used) CUDA generator states of this rank."""
-    return {"python": random.getstate(), "torch": torch.get_rng_state(), "device": device_mod.rng_state(device)}
+    """Python, torch CPU and (where CUDA is used) CUDA generator states of this rank;
+    with megatron-core's GPTModel also its RNG tracker's streams (``tracker``, Megatron-LM's
+    ``rng_tracker_states``), which its attention dropout draws from."""
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(), "device": device_mod.rng_state(device)}
+    tracker = _mcore_rng_tracker()
+    if tracker is not None:
+        state["tracker"] = {name: value.clone() if isinstance(value, torch.Tensor) else value
+                            for name, value in tracker.get_states().items()}
+    return state
 
 
 def set_rng_state(state: dict[str, Any], device: torch.device = torch.device("cpu")) -> None:
@@ -95,6 +103,21 @@ def set_rng_state(state: dict[str, Any], device: torch.device = torch.device("cp
         np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     device_mod.set_rng_state(state.get("device"), device)
+    tracker = _mcore_rng_tracker()
+    if tracker is not None and state.get("tracker"):
+        tracker.set_states(dict(state["tracker"]))
+
+
+def _mcore_rng_tracker():
+    """megatron-core's model-parallel RNG tracker once seeded (megatron-core models only;
+    before 2026-11-26 its streams were not checkpointed, so a resumed run's attention
+    dropout drew other masks than the uninterrupted run's)."""
+    module = sys.modules.get("megatron.core.tensor_parallel.random")
+    if module is None:
+        return None
+    tracker = module.get_cuda_rng_tracker()
+    initialized = getattr(tracker, "is_initialized", None)
+    return tracker if initialized is None or initialized() else None
 
 
 def checkpoint_module(model):

@@ -52,6 +52,9 @@ class IntervalStats:
     advanced iterations); None for dense models."""
     balancing_name: str = "load_balancing_loss"
     """Megatron-core's name of that loss (``seq_load_balancing_loss`` for seq_aux_loss)."""
+    mtp_sums: Optional[list[float]] = None
+    """``--mtp-num-layers``: each depth's ``mtp_k loss`` summed over the interval's iterations,
+    skipped ones included (megatron-core's MTP tracker adds every iteration), None without MTP."""
 
     @property
     def iterations(self) -> int:
@@ -62,6 +65,9 @@ class IntervalStats:
         balancing = getattr(result, "load_balancing_loss", None)
         if balancing is not None:
             self.load_balancing_sum = (self.load_balancing_sum or 0.0) + balancing
+        mtp = getattr(result, "mtp_losses", None)
+        if mtp is not None:
+            self.mtp_sums = [a + b for a, b in zip(self.mtp_sums or [0.0] * len(mtp), mtp)]
         if result.skipped:
             self.skipped += 1
             self.nan += int(result.nan)
@@ -79,6 +85,12 @@ class IntervalStats:
             return None
         return self.load_balancing_sum / max(self.advanced, 1)
 
+    @property
+    def mean_mtp_losses(self) -> Optional[list[float]]:
+        """Each depth's ``mtp_k loss`` over the interval, divided by the advanced iterations
+        as Megatron-LM divides every ``total_loss_dict`` entry."""
+        return None if self.mtp_sums is None else [v / max(self.advanced, 1) for v in self.mtp_sums]
+
 
 def format_iteration_line(*, iteration: int, train_iters: int, consumed_samples: int, stats: IntervalStats,
                           throughput: Optional[float], learning_rate: Optional[float], global_batch_size: int,
@@ -87,8 +99,9 @@ def format_iteration_line(*, iteration: int, train_iters: int, consumed_samples:
                           skipped_samples: int = 0) -> str:
     """Megatron-LM's ``training_log`` line, field for field: ``throughput`` only with
     ``--log-throughput`` (None otherwise), ``num zeros`` / ``params norm`` only when
-    computed (``--log-num-zeros-in-grad`` / ``--log-params-norm``), and for MoE
-    models (``--num-experts``) ``load_balancing_loss`` after ``lm loss``."""
+    computed (``--log-num-zeros-in-grad`` / ``--log-params-norm``), for MoE models
+    (``--num-experts``) ``load_balancing_loss`` after ``lm loss``, and with
+    ``--mtp-num-layers`` ``mtp_1 loss``, ``mtp_2 loss`` ... after those."""
     ms = 1000.0 * stats.elapsed_s / max(stats.iterations, 1)
     line = f" [{(now or datetime.datetime.now()).strftime('%Y-%m-%d %H:%M:%S.%f')}]"
     line += f" iteration {iteration:8d}/{train_iters:8d} |"
@@ -107,6 +120,9 @@ def format_iteration_line(*, iteration: int, train_iters: int, consumed_samples:
     balancing = stats.mean_load_balancing_loss  # MoE models: Megatron-core's name, after lm loss
     if balancing is not None and balancing >= 0.0:
         line += f" {stats.balancing_name}: {balancing:.6E} |"
+    for depth, mtp_loss in enumerate(stats.mean_mtp_losses or [], start=1):  # megatron-core's MTP tracker names
+        if mtp_loss >= 0.0:
+            line += f" mtp_{depth} loss: {mtp_loss:.6E} |"
     line += f" loss scale: {loss_scale:.1f} |"
     if grad_norm is not None:
         line += f" grad norm: {grad_norm:.3f} |"
@@ -123,10 +139,13 @@ def flops_per_iteration(args, num_parameters: int) -> float:
     """Training FLOPs of one global batch: 6 per parameter per token (forward and
     backward matmuls) plus the attention score/value products, 12*L*h*s per token;
     full activation recomputation repeats the forward of the blocks
-    it checkpoints (+1/3 of their cost)."""
+    it checkpoints (+1/3 of their cost). Multi-token prediction adds its layers' attention
+    and one more pass through the output layer per depth (as Megatron-LM counts them)."""
     tokens = args.global_batch_size * args.seq_length
-    attention = 12 * args.num_layers * args.hidden_size * args.seq_length
-    flops = tokens * (6 * num_parameters + attention)
+    depths = getattr(args, "mtp_num_layers", None) or 0
+    attention = 12 * (args.num_layers + depths) * args.hidden_size * args.seq_length
+    mtp_logits = 6 * depths * args.hidden_size * (getattr(args, "padded_vocab_size", None) or 0)
+    flops = tokens * (6 * num_parameters + attention + mtp_logits)
     recomputed = 0.0  # fraction of the blocks whose forward runs twice
     if args.recompute_granularity == "full":
         block = args.recompute_method == "block"
@@ -204,6 +223,8 @@ class MetricsRecorder:
     learning_rate: list[float] = dataclasses.field(default_factory=list)
     load_balancing_loss: list[Optional[float]] = dataclasses.field(default_factory=list)
     """MoE models' per-iteration ``load_balancing_loss`` (empty for dense models)."""
+    mtp_losses: list[list[float]] = dataclasses.field(default_factory=list)
+    """``--mtp-num-layers`` models' per-iteration ``[mtp_1 loss, mtp_2 loss, ...]`` (empty without MTP)."""
     validation: list[tuple[int, float]] = dataclasses.field(default_factory=list)
     memory: list[dict] = dataclasses.field(default_factory=list)
 
@@ -214,6 +235,8 @@ class MetricsRecorder:
         self.learning_rate.append(result.learning_rate)
         if getattr(result, "load_balancing_loss", None) is not None:
             self.load_balancing_loss.append(result.load_balancing_loss)
+        if getattr(result, "mtp_losses", None) is not None:
+            self.mtp_losses.append(list(result.mtp_losses))
 
     def write(self, path: str, **extra) -> None:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

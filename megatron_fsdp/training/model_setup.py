@@ -20,13 +20,14 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import megatron_fsdp as mf
 from megatron_fsdp import device as device_mod
 from megatron_fsdp.models.gpt import GPT, GPTConfig, TransformerBlock
+# LogitsGradInBF16 lived here before: importable from here still.
+from megatron_fsdp.models.losses import LogitsGradInBF16, token_cross_entropy  # noqa: F401
 
 from . import torch_fsdp2
 from .arg_types import DataParallelPath, Precision
@@ -52,6 +53,9 @@ class ModelBundle:
     moe_balancing: Optional[Any] = None
     """megatron-core MoE models: ``models.mcore.McoreBalancingLoss`` (``clear()`` before a
     micro batch's forward, called after it). The embedded GPT reports its own."""
+    mtp: Optional[Any] = None
+    """megatron-core models with ``--mtp-num-layers``: ``models.mcore_mtp.McoreMTPLoss`` (the
+    MTP loss's gradient factor and per-depth losses). The embedded GPT drives its own."""
 
     @property
     def params(self) -> list[torch.Tensor]:
@@ -100,10 +104,12 @@ def setup_model_and_optimizer(args, device: torch.device) -> ModelBundle:
         from megatron_fsdp.models import mcore as mcore_models
 
         balancing = mcore_models.balancing_loss_reader(gpt_config_from_args(args))
+        mtp = mcore_models.mtp_loss_reader(gpt_config_from_args(args), sequence_length=args.seq_length,
+                                           per_token=args.calculate_per_token_loss)
     return ModelBundle(model=model, optimizer=optimizer, loss_fn=loss_fn_factory(model),
                        is_fsdp=args.dp_path in (DataParallelPath.MEGATRON_FSDP, DataParallelPath.MEGATRON_DDP),
                        num_parameters=num_parameters,
-                       moe_balancing=balancing)
+                       moe_balancing=balancing, mtp=mtp if args.use_mcore_models else None)
 
 
 # -- models -----------------------------------------------------------------------
@@ -158,6 +164,7 @@ MODEL_FLAG_FIELDS = (
     ModelFlag("moe_router_bias_update_rate", "moe_router_bias_update_rate", 1e-3),
     ModelFlag("moe_router_num_groups", "moe_router_num_groups", None),
     ModelFlag("moe_router_group_topk", "moe_router_group_topk", None),
+    ModelFlag("moe_router_force_load_balancing", "moe_router_force_load_balancing", False),
     ModelFlag("multi_latent_attention", "multi_latent_attention", False),
     ModelFlag("q_lora_rank", "q_lora_rank", None),
     ModelFlag("kv_lora_rank", "kv_lora_rank", 32),
@@ -168,6 +175,8 @@ MODEL_FLAG_FIELDS = (
     ModelFlag("rotary_scaling_factor", "rotary_scaling_factor", 1.0),
     ModelFlag("mscale", "mscale", 1.0),
     ModelFlag("mscale_all_dim", "mscale_all_dim", 0.0),
+    ModelFlag("mtp_num_layers", "mtp_num_layers", None),
+    ModelFlag("mtp_loss_scaling_factor", "mtp_loss_scaling_factor", 0.1),
 )
 # Read by multi-latent attention only: without it any value is the baseline.
 _MLA_ONLY_DESTS = {"q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rope_type",
@@ -194,10 +203,12 @@ def _baseline_ok(flag: ModelFlag, args) -> bool:
                      "moe_shared_expert_gate",
                      "moe_router_dtype", "moe_router_load_balancing_type", "moe_router_score_function",
                      "moe_router_enable_expert_bias", "moe_router_bias_update_rate", "moe_router_num_groups",
-                     "moe_router_group_topk"):
+                     "moe_router_group_topk", "moe_router_force_load_balancing"):
         return args.num_experts is None or value == flag.baseline
     if flag.dest in _MLA_ONLY_DESTS:
         return not args.multi_latent_attention or value == flag.baseline
+    if flag.dest == "mtp_loss_scaling_factor":
+        return not args.mtp_num_layers or value == flag.baseline
     if isinstance(value, list):
         value = value[0]
     return value == flag.baseline
@@ -265,14 +276,14 @@ def _build_embedded_gpt(args, device: torch.device):
         module = GPT(cfg).to(device)
 
     bf16_logits_grad = args.cross_entropy_loss_fusion
+    module.set_mtp_loss_settings(bf16_logits_grad=bf16_logits_grad)  # the MTP heads' loss too
+    mtp = bool(cfg.mtp_num_layers)
 
     def loss_fn_factory(model: nn.Module) -> LossFn:
         def loss_fn(inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int]:
-            # Loss in fp32 whatever the compute dtype: a bf16 log-softmax over 256+ classes is coarse.
-            logits = model(inputs).float()  # (b, t, vocab)
-            if bf16_logits_grad:
-                logits = LogitsGradInBF16.apply(logits)
-            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="sum")
+            # The labels reach the model only for multi-token prediction, which attaches its loss there.
+            logits = model(inputs, labels=targets) if mtp else model(inputs)  # (b, t, vocab)
+            loss = token_cross_entropy(logits, targets, bf16_logits_grad=bf16_logits_grad, reduction="sum")
             return loss, targets.numel()
 
         return loss_fn
@@ -280,29 +291,35 @@ def _build_embedded_gpt(args, device: torch.device):
     return module, loss_fn_factory, [TransformerBlock]
 
 
-class LogitsGradInBF16(torch.autograd.Function):
-    """Identity in forward; backward rounds the logits' gradient to bf16 (then back to
-    its dtype). Megatron-LM's ``--cross-entropy-loss-fusion`` (its native fused kernel,
-    the only implementation it allows) computes the loss in fp32 as the unfused path
-    does, but returns the logits' gradient cast to bf16 whatever the model's dtype:
-    a no-op for a bf16 model, a precision loss for fp32 and fp16 models that this
-    reproduces."""
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor) -> torch.Tensor:
-        return logits.view_as(logits)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return grad.to(torch.bfloat16).to(grad.dtype)
-
-
 def _materialize(module: nn.Module, device: torch.device) -> nn.Module:
-    """DDP has no sharded initialisation: allocate and re-run every module's own init."""
+    """DDP has no sharded initialisation: allocate and re-run every module's own init, in
+    module order, as the eager build ran them.
+
+    ``to_empty`` gives every module slot a new Parameter (a meta tensor cannot be moved
+    in place), so a tied weight (the output layer sharing the embedding) came back as two
+    and training went on untied, and the attributes read from parameters
+    (``is_embedding_or_output_parameter``: --decoupled-lr's groups; expert marks) were
+    dropped. Each parameter is one object again, with its attributes; a module whose
+    weight is tied to an earlier one still draws its init (the eager build did), which is
+    then discarded."""
+    slots = [(sub, name, p) for sub in module.modules() for name, p in sub._parameters.items() if p is not None]
     module = module.to_empty(device=device)
+    fresh: dict[int, nn.Parameter] = {}
+    for sub, name, old in slots:
+        new = fresh.setdefault(id(old), sub._parameters[name])
+        new.__dict__.update({k: v for k, v in vars(old).items() if k not in vars(new)})
+        sub._parameters[name] = new
+    initialised: set[int] = set()
     for sub in module.modules():
+        own = [p for p in sub._parameters.values() if p is not None]
         if hasattr(sub, "reset_parameters"):
+            tied = {id(p): p.detach().clone() for p in own if id(p) in initialised}
             sub.reset_parameters()
+            with torch.no_grad():
+                for p in own:
+                    if id(p) in tied:
+                        p.copy_(tied[id(p)])
+        initialised.update(id(p) for p in own)
     return module
 
 
@@ -323,7 +340,8 @@ def _build_mcore_model(args, device: torch.device):
     torch.manual_seed(args.seed)
     module = mcore_models.build_mcore_gpt(gpt_config_from_args(args), seed=args.seed,
                                           params_dtype=_PRECISION_DTYPES[args.precision],
-                                          cross_entropy_loss_fusion=args.cross_entropy_loss_fusion)
+                                          cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
+                                          calculate_per_token_loss=args.calculate_per_token_loss)
     if not args.init_model_with_meta_device:
         module = module.to(device)
 
@@ -355,8 +373,9 @@ def ddp_config_from_args(args) -> mf.DistributedDataParallelConfig:
         megatron_fsdp_main_params_dtype=args.megatron_fsdp_main_params_dtype,
         megatron_fsdp_main_grads_dtype=args.megatron_fsdp_main_grads_dtype,
         megatron_fsdp_grad_comm_dtype=args.megatron_fsdp_grad_comm_dtype,
-        fsdp_double_buffer=args.fsdp_double_buffer,
-        nccl_ub=args.nccl_ub,
+        # --use-nccl-ub implies the double buffer (as upstream); the flag table already
+        # warned, on rank 0 only, that the registration itself has no effect here.
+        fsdp_double_buffer=args.fsdp_double_buffer or args.nccl_ub,
         suggested_communication_unit_size=args.suggested_communication_unit_size,
     )
 
@@ -380,8 +399,7 @@ def _wrap_megatron_fsdp(module: nn.Module, args, device: torch.device, unit_modu
         overlap_param_gather=args.overlap_param_gather,
         calculate_per_token_loss=args.calculate_per_token_loss,
         average_in_collective=args.ddp_average_in_collective,
-        fsdp_double_buffer=args.fsdp_double_buffer,
-        nccl_ub=args.nccl_ub,
+        fsdp_double_buffer=args.fsdp_double_buffer or args.nccl_ub,  # as ddp_config_from_args
         check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad,
         suggested_communication_unit_size=args.suggested_communication_unit_size,
         **_hsdp_kwargs(args, device),
@@ -468,4 +486,8 @@ def build_optimizer(model: nn.Module, args) -> torch.optim.Optimizer:
         groups.append(group)
     if args.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=args.lr, momentum=args.sgd_momentum)
+    if args.optimizer == "muon":  # Muon on the hidden matrices, AdamW on the rest (muon_optimizer.py)
+        from .muon_optimizer import build_muon_optimizer
+
+        return build_muon_optimizer(model, groups, args)
     return torch.optim.AdamW(groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)

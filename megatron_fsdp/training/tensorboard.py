@@ -1,7 +1,8 @@
 """Dashboards: TensorBoard events (``--tensorboard-dir``) and Weights & Biases
 (``--wandb-project``), written by rank 0 with Megatron-LM's scalar names
 (``lm loss``, ``learning-rate``, ``grad-norm``, ``throughput``, ``iteration-time``,
-``mem-*``, ``lm loss validation ppl``, ``<timer>-time``, MoE's ``load_balancing_loss``, ...).
+``mem-*``, ``lm loss validation ppl``, ``<timer>-time``, MoE's ``load_balancing_loss``, MTP's
+``mtp_1 loss``, ...).
 
 Both packages are optional: TensorBoard events go through
 ``torch.utils.tensorboard`` when the ``tensorboard`` package is installed
@@ -109,6 +110,13 @@ def write_moe_scalars(dash: Dashboards, load_balancing_loss: Optional[float], it
     """MoE models: Megatron-core's ``load_balancing_loss`` scalar, every iteration as its
     ``training_log`` writes it (no "vs samples" twin)."""
     dash.add_scalar(name, load_balancing_loss, iteration)
+
+
+def write_mtp_scalars(dash: Dashboards, mtp_losses: Optional[tuple[float, ...]], iteration: int) -> None:
+    """``--mtp-num-layers``: megatron-core's ``mtp_1 loss``, ``mtp_2 loss`` ... scalars, every
+    iteration as its ``training_log`` writes them (no "vs samples" twin)."""
+    for depth, loss in enumerate(mtp_losses or (), start=1):
+        dash.add_scalar(f"mtp_{depth} loss", loss, iteration)
 
 
 def write_memory_scalars(dash: Dashboards, snapshot: dict, iteration: int) -> None:

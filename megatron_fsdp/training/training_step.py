@@ -72,6 +72,10 @@ class StepResult:
     load_balancing_loss: Optional[float] = None
     """MoE models: Megatron-LM's ``load_balancing_loss`` of this iteration (see
     ``_moe_balancing_loss``); None for dense models."""
+    mtp_losses: Optional[tuple[float, ...]] = None
+    """``--mtp-num-layers`` models: Megatron-LM's ``mtp_1 loss``, ``mtp_2 loss`` ... of this
+    iteration (each depth's token-mean loss, averaged over micro batches and data-parallel
+    ranks); None without MTP."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -113,6 +117,8 @@ class _MicroBatchSums:
     balancing: Optional[torch.Tensor] = None
     """MoE: the sum over micro batches of the balancing loss (None: none recorded, as for
     a dense model, a zero coefficient or a balancing type without a loss)."""
+    mtp: Optional[torch.Tensor] = None
+    """MTP: the sum over micro batches of each depth's token-mean loss (D,), float64."""
 
 
 def _forward_backward(ctx: StepContext, source: SampleSource, consumed: int) -> _MicroBatchSums:
@@ -124,6 +130,9 @@ def _forward_backward(ctx: StepContext, source: SampleSource, consumed: int) -> 
                            nonfinite=torch.zeros((), dtype=torch.float64, device=ctx.device))
     scale = ctx.scaler.scale if ctx.scaler is not None else 1.0
     _set_moe_aux_loss_scale(ctx, scale)
+    mtp = _mtp_driver(ctx)
+    if mtp is not None:
+        _set_mtp_loss_scale(ctx, mtp, scale)
     for m in range(layout.num_microbatches):
         with ctx.timers.time("batch-generator"):
             inputs, targets = get_microbatch(source, layout, consumed, m, ctx.device)
@@ -133,8 +142,14 @@ def _forward_backward(ctx: StepContext, source: SampleSource, consumed: int) -> 
         with sync:
             if bundle.moe_balancing is not None:
                 bundle.moe_balancing.clear()
+            if bundle.mtp is not None:
+                bundle.mtp.clear()
             with ctx.timers.time("forward-compute"):
                 loss_sum, tokens = bundle.loss_fn(inputs, targets)
+            mtp_losses = None if mtp is None else mtp.mtp_losses()
+            if mtp_losses is not None:
+                mtp_losses = mtp_losses.detach().to(device=ctx.device, dtype=torch.float64)
+                sums.mtp = mtp_losses if sums.mtp is None else sums.mtp + mtp_losses
             balancing = _moe_balancing_loss(ctx)
             if balancing is not None:
                 balancing = balancing.detach().to(device=ctx.device, dtype=torch.float64)
@@ -164,6 +179,25 @@ def _module(ctx: StepContext) -> torch.nn.Module:
     return getattr(ctx.bundle.model, "module", ctx.bundle.model)
 
 
+def _mtp_driver(ctx: StepContext):
+    """What sets the MTP loss's gradient factor and reports its per-depth losses: the
+    embedded GPT itself, or megatron-core's ``McoreMTPLoss``; None without MTP."""
+    if ctx.bundle.mtp is not None:
+        return ctx.bundle.mtp
+    module = _module(ctx)
+    return module if isinstance(getattr(module, "mtp", None), torch.nn.Module) else None  # the GPT's MTP block
+
+
+def _set_mtp_loss_scale(ctx: StepContext, mtp, scale: float) -> None:
+    """The MTP loss gets the LM loss's factor of one micro batch, as Megatron-LM's forward
+    step sets ``MTPLossAutoScaler``: the loss scale over the micro batches, or the loss
+    scale alone in per-token mode (each depth's loss then enters as a token sum rescaled to
+    this micro batch's tokens, and the gradients are divided by the global token count
+    afterwards: models/mtp.py, [Note: per-token MTP loss])."""
+    factor = scale if ctx.per_token_loss else scale / ctx.layout.num_microbatches
+    mtp.set_mtp_loss_settings(backward_scale=factor, per_token=ctx.per_token_loss)
+
+
 def _finalize_model_grads(ctx: StepContext) -> None:
     """Megatron-LM's ``finalize_model_grads``, once per global batch after the last
     backward and before the optimizer step (also of a step that is then skipped):
@@ -183,7 +217,12 @@ def _set_moe_aux_loss_scale(ctx: StepContext, scale: float) -> None:
     """MoE load-balancing losses get the factor the LM loss of one micro batch gets
     (see megatron_fsdp/models/moe.py, [Note: attaching the aux loss]): 1/micro-batches
     times the loss scale, or in per-token mode the micro batch's token count (the
-    gradients are divided by the global token count afterwards)."""
+    gradients are divided by the global token count afterwards). megatron-core models
+    get Megatron-LM's own factor (its router multiplies by the tokens in per-token mode)."""
+    if ctx.bundle.moe_balancing is not None:
+        ctx.bundle.moe_balancing.set_moe_aux_loss_scale(
+            scale if ctx.per_token_loss else scale / ctx.layout.num_microbatches)
+        return
     module = getattr(ctx.bundle.model, "module", ctx.bundle.model)
     set_scale = getattr(module, "set_moe_aux_loss_scale", None)
     if set_scale is None:
@@ -254,6 +293,8 @@ def train_step(ctx: StepContext, state: TrainState, source: SampleSource) -> Ste
              sums.nonfinite.reshape(1)]
     if sums.balancing is not None:
         parts.append(sums.balancing.reshape(1))
+    if sums.mtp is not None:
+        parts.append(sums.mtp.reshape(-1))
     totals = _global_sums(torch.cat(parts), ctx.device)
     params = bundle.params
     if ctx.per_token_loss:
@@ -298,6 +339,11 @@ def train_step(ctx: StepContext, state: TrainState, source: SampleSource) -> Ste
     # (summed for the global aux loss, whose ranks each hold a part of one loss).
     world = dist.get_world_size() if dist.is_initialized() and not balancing_logged_as_rank_sum(_module(ctx)) else 1
     load_balancing = None if sums.balancing is None else host[3] / world / ctx.layout.num_microbatches
+    mtp_losses = None
+    if sums.mtp is not None:  # Megatron-LM: summed over micro batches, averaged over DP, times 1 / micro batches
+        first = 3 + (sums.balancing is not None)
+        dp = dist.get_world_size() if dist.is_initialized() else 1
+        mtp_losses = tuple(v / dp / ctx.layout.num_microbatches for v in host[first:first + sums.mtp.numel()])
     return StepResult(
         lm_loss=global_loss / global_tokens,
         grad_norm=grad_norm,
@@ -308,6 +354,7 @@ def train_step(ctx: StepContext, state: TrainState, source: SampleSource) -> Ste
         params_norm=params_norm,
         num_zeros=num_zeros,
         load_balancing_loss=load_balancing,
+        mtp_losses=mtp_losses,
     )
 
 

@@ -20,7 +20,7 @@ import re
 from .. import device as device_mod
 from ..enums import ShardingStrategy
 from ..models.config import megatron_swiglu_ffn_hidden_size
-from . import determinism, mla_flags, tokenizers, torch_fsdp2_flags
+from . import determinism, mla_flags, mtp_flags, muon_flags, tokenizers, torch_fsdp2_flags
 from .arg_types import BYTE_VOCAB_SIZE, DataParallelPath, LRDecayStyle, Precision, TokenizerType
 from .flag_table import FlagSpec, FlagStatus
 
@@ -57,8 +57,9 @@ def flag_policy(args: argparse.Namespace, given: dict[str, FlagSpec]) -> tuple[l
 
 def collect_problems(args: argparse.Namespace, world_size: int) -> list[str]:
     problems: list[str] = []
-    for rule in (_required, _model_shape, _model_features, _multi_latent_attention, _recompute, _batch, _batch_rampup, _schedule,
-                 _data_parallel, _megatron_fsdp, _precision, _determinism, _data, _io, _optional_packages):
+    for rule in (_required, _model_shape, _model_features, _multi_latent_attention, _multi_token_prediction,
+                 _recompute, _batch, _eval_batch, _batch_rampup, _schedule, _data_parallel, _megatron_fsdp,
+                 _precision, _determinism, _data, _fim, _io, _optional_packages, _muon):
         problems += rule(args, world_size)
     return problems
 
@@ -263,8 +264,16 @@ def _mcore_model_problems(args) -> list[str]:
     return problems
 
 
+def _muon(args, world_size) -> list[str]:
+    return muon_flags.muon_problems(args)
+
+
 def _multi_latent_attention(args, world_size) -> list[str]:
     return mla_flags.mla_problems(args)
+
+
+def _multi_token_prediction(args, world_size) -> list[str]:
+    return mtp_flags.mtp_problems(args)
 
 
 def _recompute(args, world_size) -> list[str]:
@@ -308,6 +317,23 @@ def _batch(args, world_size) -> list[str]:
     for name in ("exit_interval", "exit_duration_in_mins"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             problems.append(f"--{name.replace('_', '-')}={getattr(args, name)} must be positive")
+    return problems
+
+
+def _eval_batch(args, world_size) -> list[str]:
+    """--eval-global-batch-size / --eval-micro-batch-size (default: the training values). Megatron-LM's
+    rule: the evaluation batch is a whole number of evaluation micro batches on every DP rank."""
+    if args.eval_global_batch_size is None and args.eval_micro_batch_size is None:
+        return []
+    problems = _positive(args, ("eval_global_batch_size", "eval_micro_batch_size"))
+    if problems or args.micro_batch_size is None or (args.global_batch_size or 1) <= 0:
+        return problems
+    micro = args.eval_micro_batch_size or args.micro_batch_size
+    batch = args.eval_global_batch_size or args.global_batch_size or args.micro_batch_size * world_size
+    if batch % (micro * world_size):
+        problems.append(f"the evaluation batch {batch} (--eval-global-batch-size, default --global-batch-size) is not "
+                        f"divisible by --eval-micro-batch-size {micro} (default --micro-batch-size) x data-parallel "
+                        f"size {world_size} = {micro * world_size} (Megatron-LM's rule); use a multiple of it")
     return problems
 
 
@@ -365,6 +391,17 @@ def _data_parallel(args, world_size) -> list[str]:
             problems.append("--overlap-param-gather needs --use-distributed-optimizer or --use-megatron-fsdp")
         if not args.overlap_grad_reduce:
             problems.append("--overlap-param-gather needs --overlap-grad-reduce; add --overlap-grad-reduce")
+    if args.overlap_param_gather_with_optimizer_step:  # Megatron-LM's rules (a schedule: a no-op here)
+        if not args.use_distributed_optimizer:
+            problems.append("--overlap-param-gather-with-optimizer-step is only supported with the distributed "
+                            "optimizer (Megatron-LM's rule); add --use-distributed-optimizer")
+        if not args.overlap_param_gather:
+            problems.append("--overlap-param-gather-with-optimizer-step needs --overlap-param-gather (Megatron-LM's "
+                            "rule); add it")
+        if args.ckpt_format != "torch":
+            problems.append(f"--overlap-param-gather-with-optimizer-step is not supported with distributed "
+                            f"checkpointing (Megatron-LM's rule), got --ckpt-format {args.ckpt_format}; use "
+                            "--ckpt-format torch")
     instances = args.num_distributed_optimizer_instances
     if instances < 1:
         problems.append(f"--num-distributed-optimizer-instances={instances} must be >= 1")
@@ -455,6 +492,13 @@ def _data(args, world_size) -> list[str]:
     from .data import data_args_problems
 
     return problems + data_args_problems(args)
+
+
+def _fim(args, world_size) -> list[str]:
+    """--fim-data and its flags (the data module's rules: data/fim.py)."""
+    from .data.fim import fim_problems
+
+    return fim_problems(args)
 
 
 def _io(args, world_size) -> list[str]:
@@ -562,6 +606,12 @@ def derive_fields(args: argparse.Namespace, world_size: int) -> None:
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * world_size
     args.num_microbatches = args.global_batch_size // (args.micro_batch_size * world_size)
+    # Megatron-LM evaluates with its own batch, by default the training one (micro batch x DP with a step schedule).
+    if args.eval_global_batch_size is None:
+        args.eval_global_batch_size = args.global_batch_size
+    if args.eval_micro_batch_size is None:
+        args.eval_micro_batch_size = args.micro_batch_size
+    args.eval_num_microbatches = args.eval_global_batch_size // (args.eval_micro_batch_size * world_size)
     from .microbatches import BatchSchedule
 
     args.batch_schedule = BatchSchedule.from_args(args, world_size)
@@ -582,6 +632,7 @@ def derive_fields(args: argparse.Namespace, world_size: int) -> None:
     args.precision = Precision.BF16 if args.bf16 else Precision.FP16 if args.fp16 else Precision.FP32
     args.dp_path = _data_parallel_path(args)
     warnings += torch_fsdp2_flags.torch_fsdp2_warnings(args)
+    warnings += muon_flags.muon_warnings(args)
     if args.dp_path is DataParallelPath.MEGATRON_DDP:
         _megatron_ddp_fields(args)
     args.zero_strategy = ShardingStrategy.parse(args.data_parallel_sharding_strategy)
@@ -622,6 +673,9 @@ def _derive_model_fields(args: argparse.Namespace, warnings: list[str]) -> None:
     if not args.group_query_attention:
         args.num_query_groups = args.num_attention_heads
     warnings += mla_flags.mla_warnings(args)
+    warnings += mtp_flags.mtp_warnings(args)
+    if not mtp_flags.mtp_enabled(args):
+        args.mtp_num_layers = None  # Megatron-LM: 0 builds no MTP layer
     if args.rotary_interleaved and args.position_embedding_type != "rope" and not args.multi_latent_attention:
         # Megatron-LM reads it only for rotary embeddings: ignored there without a word.
         warnings.append(f"--rotary-interleaved has no effect with --position-embedding-type "

@@ -13,6 +13,8 @@ Modules, one concern each:
   ``data_path_problems``.
 - ``sentences.py``: sentence splitting for ``preprocess_data.py --split-sentences`` (NLTK
   punkt when installed, else a documented rule-based splitter).
+- ``fim.py``: ``--fim-data``'s fill-in-the-middle samples (Megatron-LM's ``GPTFIMDataset``) over
+  the GPT samples, in Megatron-LM's reading order.
 - ``byte_corpus.py``: the launcher's byte-level corpus (and ``MockDataset``, the generated
   sequences the launcher's ``--mock-data`` gave before it followed Megatron-LM).
 
@@ -106,14 +108,23 @@ def build_datasets(args) -> tuple[SampleSource, SampleSource | None]:
         num_samples = train_valid_test_num_samples(
             train_iters=args.train_iters, global_batch_size=args.global_batch_size,
             eval_interval=args.eval_interval, eval_iters=args.eval_iters,
-            train_samples=getattr(args, "train_samples", None))
+            train_samples=getattr(args, "train_samples", None),
+            eval_global_batch_size=getattr(args, "eval_global_batch_size", None))
+        tokenizer = build_tokenizer_from_args(args)
         datasets = build_train_valid_test_datasets(
             data_path=None if mock else args.data_path, mock=mock, split=args.split, seq_length=args.seq_length,
-            seed=args.seed, tokenizer=build_tokenizer_from_args(args), num_samples=num_samples,
+            seed=args.seed, tokenizer=tokenizer, num_samples=num_samples,
             cache_path=getattr(args, "data_cache_path", None))
         valid = datasets.valid if args.eval_iters > 0 else None
         if datasets.valid is None and args.eval_iters > 0:
             logger.warning("the validation split of --split %s is empty; evaluation is skipped", args.split)
+        if getattr(args, "fim_data", False):  # Megatron-LM's GPTFIMDataset over the same samples (fim.py)
+            from megatron_fsdp.training.data.fim import wrap_fim_sources
+
+            import torch.distributed as dist
+
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            return wrap_fim_sources(args, tokenizer, datasets.train, valid, dp_rank=rank)
         return datasets.train, valid
     tokens = load_corpus_tokens(None)
     from megatron_fsdp.training.data.gpt_dataset import parse_split

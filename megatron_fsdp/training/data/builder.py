@@ -102,13 +102,16 @@ class TrainValidTestDatasets:
 
 
 def train_valid_test_num_samples(*, train_iters: int | None, global_batch_size: int, eval_interval: int,
-                                 eval_iters: int, train_samples: int | None = None) -> tuple[int, int, int]:
+                                 eval_iters: int, train_samples: int | None = None,
+                                 eval_global_batch_size: int | None = None) -> tuple[int, int, int]:
     """Megatron-LM's sample counts: train iterations x batch, (train_iters // eval_interval + 1)
-    evaluations x eval_iters x batch, and eval_iters x batch for test."""
+    evaluations x eval_iters x evaluation batch, and eval_iters x evaluation batch for test; the
+    evaluation batch is ``--eval-global-batch-size`` (default: the training batch)."""
+    eval_batch = eval_global_batch_size or global_batch_size
     train = train_samples if train_samples else train_iters * global_batch_size
     iters_for_eval = train_iters if train_iters is not None else train // global_batch_size
-    valid = (iters_for_eval // eval_interval + 1) * eval_iters * global_batch_size if eval_interval > 0 else 0
-    return train, valid, eval_iters * global_batch_size
+    valid = (iters_for_eval // eval_interval + 1) * eval_iters * eval_batch if eval_interval > 0 else 0
+    return train, valid, eval_iters * eval_batch
 
 
 def data_path_problems(data_path: Sequence[str] | None) -> list[str]:
