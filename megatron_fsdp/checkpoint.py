@@ -111,7 +111,8 @@ def _publish(tmp: Path, final: Path) -> None:
 
 
 # -- checksums ------------------------------------------------------------------------------
-def _sha256(path: Path) -> str:
+def file_sha256(path: str | os.PathLike) -> str:
+    """Hex SHA-256 of a file, read in 1 MiB blocks (also the legacy torch format's checksums)."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -123,7 +124,7 @@ def _write_checksums(directory: Path) -> None:
     """Each rank hashes its share of the files; rank 0 writes them all. Collective."""
     rank, world = dist.get_rank(), dist.get_world_size()
     files = sorted(p.name for p in directory.iterdir() if p.is_file() and p.name != CHECKSUM_FILE)
-    mine = {name: _sha256(directory / name) for i, name in enumerate(files) if i % world == rank}
+    mine = {name: file_sha256(directory / name) for i, name in enumerate(files) if i % world == rank}
     shares: list = [None] * world
     dist.all_gather_object(shares, mine)
     if rank == 0:
@@ -150,7 +151,7 @@ def _verify_checksums(directory: Path) -> None:
         path = directory / name
         if not path.exists():
             problems.append(f"{name} is missing")
-        elif _sha256(path) != digest:
+        elif file_sha256(path) != digest:
             problems.append(f"{name} does not match its checksum (altered or truncated)")
     found: list = [None] * world
     dist.all_gather_object(found, problems)

@@ -29,7 +29,6 @@ The runs call the script's ``run`` inside the shared gloo pool (no torchrun star
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import shlex
 from pathlib import Path
@@ -38,6 +37,7 @@ import numpy as np
 import pytest
 import torch
 
+from launcher_inprocess import pretrain_script, run_launcher
 from megatron_fsdp.training.arg_types import ArgumentError
 from megatron_fsdp.training.arguments import parse_args
 
@@ -48,16 +48,8 @@ BASE = ("--num-layers 1 --hidden-size 16 --num-attention-heads 2 --seq-length 8 
         "--log-interval 1 --eval-iters 0 --plot-path none --ckpt-format torch ")
 
 
-def _script():
-    spec = importlib.util.spec_from_file_location("pretrain_gpt_ckpt_torch", REPO / "scripts" / "pretrain_gpt.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
-
-
 def run_task(rank: int, world: int, *, flags: str) -> None:
-    args = parse_args(shlex.split(BASE + flags), world_size=world)
-    _script().run(args, torch.device("cpu"))
+    run_launcher(BASE + flags, world)
 
 
 def _file(root: Path, iteration: int) -> dict:
@@ -402,7 +394,7 @@ def mcore_run_task(rank: int, world: int, *, flags: str) -> None:
     with cpu_shim():
         build = functools.partial(mcore_models.build_mcore_gpt, allow_cpu=True)
         with mock.patch.object(mcore_models, "build_mcore_gpt", build):
-            _script().run(args, torch.device("cpu"))
+            pretrain_script().run(args, torch.device("cpu"))
         saved = _file(Path(args.save), args.train_iters)
         build(gpt_config_from_args(args), seed=args.seed, params_dtype=torch.bfloat16).load_state_dict(saved["model"])
 

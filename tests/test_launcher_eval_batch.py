@@ -14,18 +14,15 @@ arguments.py, evaluate() and get_train_valid_test_num_samples at the pinned comm
 
 from __future__ import annotations
 
-import importlib.util
-import logging
 import shlex
-from pathlib import Path
 
 import pytest
 
+from launcher_inprocess import load_pretrain_script, run_launcher
 from megatron_fsdp.training import data as data_mod
 from megatron_fsdp.training.arguments import ArgumentError, parse_args
 from megatron_fsdp.training.data import TrainValidTestDatasets, train_valid_test_num_samples
 
-REPO = Path(__file__).resolve().parents[1]
 BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
         "--lr 1e-3 --micro-batch-size 1")
 
@@ -86,42 +83,20 @@ def test_validation_split_is_sized_by_the_evaluation_batch(monkeypatch):
 # -- a 2-rank launcher run, in the shared gloo pool ------------------------------------------------
 RUN = (BASE + " --lr 0 --train-iters 2 --eval-interval 1 --eval-iters 2 --log-interval 1 --plot-path none "
        "--hidden-dropout 0 --attention-dropout 0 --seed 7")
-_SCRIPT = []  # scripts/pretrain_gpt.py, loaded once per pool worker
-
-
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
+_SCRIPT = []  # this file's own copy of scripts/pretrain_gpt.py: the test patches it
 
 
 def launcher_task(rank: int, world: int, *, extra: str) -> list:
     """scripts/pretrain_gpt.py's ``run`` on this pool rank: (iteration, validation loss) of
     every evaluation, at full precision, and whether the evaluation batch was described."""
-    import torch
-
     if not _SCRIPT:
-        spec = importlib.util.spec_from_file_location("pretrain_gpt_eval_batch", REPO / "scripts/pretrain_gpt.py")
-        _SCRIPT.append(importlib.util.module_from_spec(spec))
-        spec.loader.exec_module(_SCRIPT[0])
+        _SCRIPT.append(load_pretrain_script("pretrain_gpt_eval_batch"))
     script = _SCRIPT[0]
-    args = parse_args(shlex.split(RUN + " " + extra), world_size=world)
     losses = []
     script.log_validation = lambda iteration, loss, label="validation": losses.append((iteration, loss))
-    root, handler = logging.getLogger(), _Lines()
-    level = root.level
-    root.addHandler(handler)
-    root.setLevel(logging.INFO)
-    try:
-        script.run(args, torch.device("cpu"))
-    finally:
-        root.removeHandler(handler)
-        root.setLevel(level)
+    lines = run_launcher(RUN + " " + extra, world, script=script)
     described = any("> evaluation: global batch 8 = micro batch 2 x 2 micro batches x 2 ranks" in line
-                    for line in handler.lines)
+                    for line in lines)
     return [losses, described]
 
 

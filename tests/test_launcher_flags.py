@@ -561,17 +561,15 @@ def test_cross_entropy_loss_fusion_hands_back_a_bf16_logits_gradient(precision):
 
 
 def test_use_checkpoint_opt_param_scheduler_takes_the_checkpoints_schedule(tmp_path, monkeypatch):
-    import importlib.util
     import types
 
     import torch
 
+    from launcher_inprocess import load_pretrain_script
     from megatron_fsdp.training import checkpointing
     from megatron_fsdp.training.training_step import TrainState
 
-    spec = importlib.util.spec_from_file_location("pretrain_gpt_under_test", SCRIPT)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_pretrain_script()
     saved = LRSchedule(max_lr=1e-3, min_lr=1e-5, warmup_steps=2, decay_steps=20, style=LRDecayStyle.COSINE,
                        num_steps=6)
     extra = {"train_state": TrainState().state_dict(), "lr_schedule": saved.state_dict(), "rng": None}

@@ -8,19 +8,17 @@ from __future__ import annotations
 
 import dataclasses
 
-import importlib.util
 import math
 import types
-from pathlib import Path
 
 import pytest
 import torch
 
+from launcher_inprocess import REPO, load_pretrain_script
 from megatron_fsdp.training.arg_types import LRDecayStyle
 from megatron_fsdp.training.arguments import ArgumentError, parse_args
 from megatron_fsdp.training.lr_schedule import LRSchedule
 
-REPO = Path(__file__).resolve().parents[1]
 BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
         "--micro-batch-size 2 --lr 3e-3").split()
 
@@ -116,10 +114,7 @@ def test_null_tokenizer_vocabulary_is_vocab_size(vocab, padded):
 
 # -- evaluation ----------------------------------------------------------------------------
 def _load_script():
-    spec = importlib.util.spec_from_file_location("pretrain_gpt_numbers", REPO / "scripts" / "pretrain_gpt.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
+    return load_pretrain_script("pretrain_gpt_numbers")  # the tests patch it: a copy of their own
 
 
 @dataclasses.dataclass

@@ -13,21 +13,17 @@ prediction; the model itself is checked against megatron-core in test_models_mtp
 
 from __future__ import annotations
 
-import functools
-import importlib.util
-import logging
 import shlex
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from launcher_inprocess import run_launcher
 from megatron_fsdp.training.arg_types import ArgumentError
 from megatron_fsdp.training.arguments import parse_args
 
-REPO = Path(__file__).resolve().parents[1]
 TOL = 1e-5
 BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
         "--micro-batch-size 2 --global-batch-size 8 --lr 3e-3 --adam-eps 1e-4 --seed 7 --clip-grad 1.0 "
@@ -113,40 +109,16 @@ def test_one_iteration_follows_megatron_lms_objective(pool2, per_token):
 
 
 # -- Megatron-FSDP against PyTorch DDP, through the script ----------------------------------
-@functools.lru_cache(maxsize=None)
-def _script():
-    spec = importlib.util.spec_from_file_location("pretrain_gpt_mtp", REPO / "scripts" / "pretrain_gpt.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
-
-
 def launcher_worker(rank, world, *, flags):
     """The script's run on 2 gloo ranks: its metrics and rank 0's log lines."""
     import json
     import tempfile
 
-    lines: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record):
-            lines.append(record.getMessage())
-
-    keep, logger = Keep(), logging.getLogger("megatron_fsdp.pretrain")
-    level = logger.level
-    logger.addHandler(keep)
-    logger.setLevel(logging.INFO)
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            out = f"{tmp}/metrics.json" if rank == 0 else None
-            extra = f" --log-json {out}" if out else ""
-            args = parse_args(shlex.split(BASE + flags + " --log-interval 1 --eval-iters 0 --plot-path none" + extra),
-                              world_size=world)
-            _script().run(args, torch.device("cpu"))
-            metrics = json.load(open(out)) if out else None
-    finally:
-        logger.removeHandler(keep)
-        logger.setLevel(level)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = f"{tmp}/metrics.json" if rank == 0 else None
+        extra = f" --log-json {out}" if out else ""
+        lines = run_launcher(BASE + flags + " --log-interval 1 --eval-iters 0 --plot-path none" + extra, world)
+        metrics = json.load(open(out)) if out else None
     return dict(metrics=metrics, lines=[line for line in lines if " iteration " in line])
 
 

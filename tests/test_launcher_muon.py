@@ -18,7 +18,6 @@ that package is not installed):
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shlex
 from pathlib import Path
@@ -27,6 +26,7 @@ import pytest
 import torch
 
 from conftest import get_pool
+from launcher_inprocess import run_launcher
 from megatron_fsdp.training.arg_types import ArgumentError
 from megatron_fsdp.training.arguments import parse_args
 from megatron_fsdp.training.muon import (
@@ -40,7 +40,6 @@ from megatron_fsdp.training.muon import (
 )
 from megatron_fsdp.training.muon_optimizer import MuonAdamW, assign_owners, qkv_split, uses_muon
 
-REPO = Path(__file__).resolve().parents[1]
 
 # emerging_optimizers' coefficient tables (muon_utils.py), as data.
 UPSTREAM_COEFFICIENTS = {
@@ -206,16 +205,9 @@ def test_routing_follows_megatron_lm():
             if layout.fused is not None] == [FusedRows(blocks=1, pieces=(16, 8, 8))]
 
 
-_SCRIPT = []
-
-
 def launcher_task(rank: int, world: int, *, flags: str) -> None:
     """scripts/pretrain_gpt.py's ``run`` on this pool rank."""
-    if not _SCRIPT:
-        spec = importlib.util.spec_from_file_location("pretrain_gpt_muon", REPO / "scripts/pretrain_gpt.py")
-        _SCRIPT.append(importlib.util.module_from_spec(spec))
-        spec.loader.exec_module(_SCRIPT[0])
-    _SCRIPT[0].run(parse_args(shlex.split(BASE + flags), world_size=world), torch.device("cpu"))
+    run_launcher(BASE + flags, world)
 
 
 def _metrics(path: Path) -> dict:

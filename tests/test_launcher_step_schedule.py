@@ -17,19 +17,16 @@ batch-size schedule]) against Megatron-LM's ``StepBatchsizeNumMicroBatchesCalcul
 
 from __future__ import annotations
 
-import importlib.util
-import logging
 import re
 import shlex
-from pathlib import Path
 
 import pytest
 
+from launcher_inprocess import run_launcher
 from megatron_fsdp.training.arguments import ArgumentError, parse_args
 from megatron_fsdp.training.lr_schedule import LRSchedule
 from megatron_fsdp.training.microbatches import BatchSchedule, BatchSteps
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _schedule(text: str, seq_length: int, micro_batch_size: int = 1, data_parallel_size: int = 2) -> BatchSchedule:
@@ -199,38 +196,9 @@ LINE = re.compile(r"iteration\s+(\d+)/\s*(\d+) \| consumed samples:\s+(\d+) \|.*
                   r"global batch size:\s+(\d+) \| lm loss: (\S+) \|")
 
 
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
-_SCRIPT = []  # scripts/pretrain_gpt.py, loaded once per pool worker
-
-
 def launcher_task(rank: int, world: int, *, extra: str) -> list:
     """scripts/pretrain_gpt.py's ``run`` on this pool rank: its iteration lines, parsed."""
-    import torch
-
-    if not _SCRIPT:
-        spec = importlib.util.spec_from_file_location("pretrain_gpt_step_schedule", REPO / "scripts/pretrain_gpt.py")
-        _SCRIPT.append(importlib.util.module_from_spec(spec))
-        spec.loader.exec_module(_SCRIPT[0])
-    script = _SCRIPT[0]
-    args = parse_args(shlex.split(RUN + " " + extra), world_size=world)
-    root, handler = logging.getLogger(), _Lines()
-    level = root.level
-    root.addHandler(handler)
-    root.setLevel(logging.INFO)
-    try:
-        script.run(args, torch.device("cpu"))
-    finally:
-        root.removeHandler(handler)
-        root.setLevel(level)
-    text = "\n".join(handler.lines)
+    text = "\n".join(run_launcher(RUN + " " + extra, world))
     rows = [(int(m[1]), int(m[2]), int(m[3]), float(m[4]), int(m[5]), float(m[6])) for m in LINE.finditer(text)]
     return [rows, text.count("stepping batch size to")]
 

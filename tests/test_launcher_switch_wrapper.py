@@ -11,17 +11,12 @@ script's ``run`` inside the shared gloo pool.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import shlex
-from pathlib import Path
 
 import pytest
-import torch
 
-from megatron_fsdp.training.arguments import parse_args
+from launcher_inprocess import run_launcher
 
-REPO = Path(__file__).resolve().parents[1]
 BASE = ("--num-layers 2 --hidden-size 16 --num-attention-heads 2 --seq-length 8 --max-position-embeddings 8 "
         "--micro-batch-size 1 --global-batch-size 4 --train-iters 4 --lr 3e-3 --adam-eps 1e-4 --seed 7 "
         "--lr-decay-style cosine --lr-warmup-iters 1 --clip-grad 1.0 "
@@ -29,16 +24,8 @@ BASE = ("--num-layers 2 --hidden-size 16 --num-attention-heads 2 --seq-length 8 
 FSDP = "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params "
 
 
-def _script():
-    spec = importlib.util.spec_from_file_location("pretrain_gpt_switch", REPO / "scripts" / "pretrain_gpt.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
-
-
 def run_task(rank: int, world: int, *, flags: str) -> None:
-    args = parse_args(shlex.split(BASE + flags), world_size=world)
-    _script().run(args, torch.device("cpu"))
+    run_launcher(BASE + flags, world)
 
 
 @pytest.mark.parametrize("first, second", [("", FSDP), (FSDP, "")], ids=["ddp_to_fsdp", "fsdp_to_ddp"])

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.util
 import json
 import shlex
 from pathlib import Path
@@ -28,10 +27,10 @@ from unittest import mock
 import pytest
 import torch
 
+from launcher_inprocess import REPO, load_pretrain_script
 from megatron_fsdp.training.arg_types import ArgumentError, DataParallelPath
 from megatron_fsdp.training.arguments import parse_args
 
-REPO = Path(__file__).resolve().parents[1]
 TOL = 1e-5
 BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
         "--micro-batch-size 2 --global-batch-size 8 --train-iters 4 --lr 3e-3 --adam-eps 1e-4 --clip-grad 1.0 "
@@ -43,13 +42,6 @@ FSDP2 = " --use-torch-fsdp2 --no-gradient-accumulation-fusion"
 BF16 = " --bf16 --global-batch-size 4 --clip-grad 0"
 MCORE = (" --use-mcore-models --distributed-backend nccl --swiglu --disable-bias-linear --normalization RMSNorm "
          "--position-embedding-type rope")
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("pretrain_gpt_torch_fsdp2", REPO / "scripts" / "pretrain_gpt.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
 
 
 @contextlib.contextmanager
@@ -72,7 +64,7 @@ def _mcore_on_cpu(world: int):
 
 def run_task(rank: int, world: int, *, flags: str) -> dict:
     """One launcher run; the wrapper it built and how its weights are held (from inside)."""
-    script = _script()
+    script = load_pretrain_script("pretrain_gpt_torch_fsdp2")  # patched below: a copy of its own
     seen = {}
     setup = script.setup_model_and_optimizer
 

@@ -29,13 +29,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from launcher_inprocess import run_launcher
 from mcore_parity import mcore_device
 from megatron_fsdp.models import GPT, GPTConfig, gpt_loss
 from megatron_fsdp.models.config import MoELoadBalancing, ScoreFunction
 from megatron_fsdp.models.router import finish_global_batch, group_limited_topk, sinkhorn
 from megatron_fsdp.training.arguments import ArgumentError, parse_args
 
-REPO = Path(__file__).resolve().parents[1]
 SEQ, HIDDEN = 8, 32
 LAYER = dict(num_layers=1, hidden_size=HIDDEN, num_attention_heads=4, seq_length=SEQ, vocab_size=64,
              swiglu=True, ffn_hidden_size=24, normalization="RMSNorm", position_embedding_type="rope",
@@ -303,25 +303,8 @@ def test_router_flags_reach_the_model_and_bad_combinations_fail_at_parse_time():
 
 
 def launcher_task(rank: int, world: int, *, flags: str) -> str:
-    """The launcher's ``run`` on this pool rank; rank 0's printed log comes back."""
-    import contextlib
-    import importlib.util
-    import io
-    import logging
-
-    spec = importlib.util.spec_from_file_location("pretrain_gpt_router", REPO / "scripts" / "pretrain_gpt.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    from megatron_fsdp.training.logging_utils import setup_logging
-
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        setup_logging(rank)  # rank 0's log to the redirected stdout, as under torchrun
-        try:
-            script.run(parse_args(shlex.split(flags), world_size=world), torch.device("cpu"))
-        finally:
-            logging.getLogger().handlers.clear()
-    return printed.getvalue()
+    """The launcher's ``run`` on this pool rank; its log comes back."""
+    return "\n".join(run_launcher(flags, world))
 
 
 def _launch(pool, flags: str, tmp_path: Path, tag: str, extra: str = "") -> dict:

@@ -1,6 +1,7 @@
 """The language-model cross-entropy as Megatron computes it, shared by the launcher's
 loss and the multi-token prediction heads (mtp.py): fp32 whatever the model's dtype,
-and with ``--cross-entropy-loss-fusion`` the logits' gradient rounded to bf16.
+and with ``--cross-entropy-loss-fusion`` the logits' gradient rounded to bf16. Also
+how a side loss (MoE balancing, multi-token prediction) joins the backward.
 """
 
 from __future__ import annotations
@@ -36,3 +37,22 @@ def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, *, bf16_logi
         logits = LogitsGradInBF16.apply(logits)
     losses = F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1), reduction=reduction)
     return losses if reduction != "none" else losses.view(labels.shape)
+
+
+class AttachLossGradient(torch.autograd.Function):
+    """Identity on ``activation``; in backward, ``scale`` is ``loss``'s gradient, so the
+    backward of the main loss also runs the side loss's backward, without the side loss
+    being added to the reported value (megatron-core's ``MoEAuxLossAutoScaler`` and
+    ``MTPLossAutoScaler``). ``scale`` is the factor the training loop gives the main
+    loss of one forward (1 / micro batches times the loss scale)."""
+
+    @staticmethod
+    def forward(ctx, activation: torch.Tensor, loss: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        ctx.loss_meta = (loss.shape, loss.dtype, loss.device)
+        return activation.view_as(activation)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        shape, dtype, device = ctx.loss_meta
+        return grad_output, torch.full(shape, ctx.scale, dtype=dtype, device=device), None

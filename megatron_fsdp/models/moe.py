@@ -43,6 +43,7 @@ import torch.nn as nn
 from ..marks import is_expert_param
 from .config import GPTConfig, MoELoadBalancing, ScoreFunction
 from .layers import MLP, SharedExpertGate
+from .losses import AttachLossGradient
 from .router import (  # noqa: F401  (re-exported: the routing API's former home)
     TopKRouter,
     balancing_scores,
@@ -73,22 +74,6 @@ def expert_device_mesh(device_type: str):
     from ..distributed_index import build_default_mesh
 
     return build_default_mesh(device_type)
-
-
-class _AttachAuxLoss(torch.autograd.Function):
-    """Identity on ``activation``; in backward, ``scale`` is the aux loss's gradient.
-    See [Note: attaching the aux loss]."""
-
-    @staticmethod
-    def forward(ctx, activation: torch.Tensor, aux_loss: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale
-        ctx.aux_meta = (aux_loss.shape, aux_loss.dtype, aux_loss.device)
-        return activation.view_as(activation)
-
-    @staticmethod
-    def backward(ctx, grad_output: torch.Tensor):
-        shape, dtype, device = ctx.aux_meta
-        return grad_output, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
 
 
 class SharedExpertMLP(MLP):
@@ -162,7 +147,7 @@ class MoELayer(nn.Module):
         if self.aux_loss_coeff > 0 and self.training and torch.is_grad_enabled():
             aux_loss = self._balancing_loss(logits, x.shape[0])
             self.last_aux_loss = aux_loss.detach()
-            out = _AttachAuxLoss.apply(out, aux_loss, self.aux_loss_scale)
+            out = AttachLossGradient.apply(out, aux_loss, self.aux_loss_scale)
         return out
 
     def _balancing_loss(self, logits: torch.Tensor, num_sequences: int) -> torch.Tensor:

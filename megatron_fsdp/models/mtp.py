@@ -31,7 +31,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .config import GPTConfig, RecomputeGranularity, RecomputeMethod
 from .layers import InitLinear, build_norm
-from .losses import token_cross_entropy
+from .losses import AttachLossGradient, token_cross_entropy
 from .transformer import TransformerBlock
 
 # (tokens (b, t), positions (b, t)) -> embeddings (b, t, hidden): the GPT's shared embedding.
@@ -71,26 +71,6 @@ class MTPLossSettings:
     bf16_logits_grad: bool = False
     """``--cross-entropy-loss-fusion``: the MTP logits' gradient rounded to bf16, as the main
     loss's (``losses.LogitsGradInBF16``); megatron-core computes both losses with one function."""
-
-
-class _AttachMTPLoss(torch.autograd.Function):
-    """[Note: attaching the MTP loss] As megatron-core's ``MTPLossAutoScaler``: the
-    identity on the main hidden state; in backward, ``scale`` is the MTP loss's gradient.
-    The main logits (and so the reported LM loss) are untouched, while the backward from
-    the LM loss also runs the MTP loss's backward through the depths, the shared
-    embedding and output layer, into the decoder. With ``scale`` the LM loss's own
-    factor, the gradient is that of ``lm_loss + MTP loss``."""
-
-    @staticmethod
-    def forward(ctx, hidden: torch.Tensor, mtp_loss: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale
-        ctx.loss_meta = (mtp_loss.shape, mtp_loss.dtype, mtp_loss.device)
-        return hidden.view_as(hidden)
-
-    @staticmethod
-    def backward(ctx, grad_output: torch.Tensor):
-        shape, dtype, device = ctx.loss_meta
-        return grad_output, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
 
 
 class MTPLayer(nn.Module):
@@ -156,7 +136,12 @@ class MultiTokenPrediction(nn.Module):
             logged.append(loss_sum.detach() / max(counted, 1))
             total = total + loss_sum * self._weight(counted, b * t)
         self.last_losses = torch.stack(logged)
-        return _AttachMTPLoss.apply(hidden, total, self.settings.backward_scale)
+        # [Note: attaching the MTP loss] As megatron-core's ``MTPLossAutoScaler``: the main
+        # logits (and so the reported LM loss) are untouched, while the backward from the LM
+        # loss also runs the MTP loss's backward through the depths, the shared embedding and
+        # output layer, into the decoder. With the LM loss's own factor as the scale, the
+        # gradient is that of ``lm_loss + MTP loss``.
+        return AttachLossGradient.apply(hidden, total, self.settings.backward_scale)
 
     def _weight(self, counted: int, tokens: int) -> float:
         """[Note: per-token MTP loss] Each depth's loss sum enters the objective divided by

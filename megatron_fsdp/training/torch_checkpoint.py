@@ -64,7 +64,6 @@ from __future__ import annotations
 
 import argparse
 import enum
-import hashlib
 import json
 import logging
 import os
@@ -76,7 +75,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from megatron_fsdp.checkpoint import CheckpointReadError, CheckpointWriteError
+from megatron_fsdp.checkpoint import CheckpointReadError, CheckpointWriteError, file_sha256
 from megatron_fsdp.state_dict import StateDictMismatchError
 
 from .checkpointing import checkpoint_dir, checkpoint_module, publish_checkpoint, read_tracker
@@ -401,20 +400,12 @@ def _write(directory: str, files: dict[str, Any]) -> None:
             torch.save(content, f)
             f.flush()
             os.fsync(f.fileno())
-        digests.setdefault(os.path.dirname(path), {})[os.path.basename(path)] = _sha256(path)
+        digests.setdefault(os.path.dirname(path), {})[os.path.basename(path)] = file_sha256(path)
     for folder, table in digests.items():
         with open(os.path.join(folder, CHECKSUM_FILE), "w") as f:
             json.dump(table, f)
     shutil.rmtree(directory, ignore_errors=True)
     os.replace(staging, directory)
-
-
-def _sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 # -- load ---------------------------------------------------------------------------------
@@ -547,7 +538,7 @@ def _verify_checksum(path: str) -> None:
             try:
                 with open(table_path) as f:
                     expected = json.load(f).get(os.path.basename(path))
-                if expected is not None and os.path.isfile(path) and _sha256(path) != expected:
+                if expected is not None and os.path.isfile(path) and file_sha256(path) != expected:
                     verdict = ["does not match its checksum (altered or truncated)"]
             except (OSError, ValueError) as exc:
                 verdict = [f"has an unreadable {CHECKSUM_FILE} ({exc})"]
