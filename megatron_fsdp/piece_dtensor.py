@@ -40,8 +40,8 @@ from torch.distributed.tensor import DTensor, Partial, Shard
 
 from . import dtensor_route
 
-__all__ = ["AUTOGRAD_INPUTS_MESSAGE", "EXTREME_NORMS", "FLAT_START_ATTR", "PieceDTensor", "RANDOM_FILLS", "is_flat_piece", "piece_dtensor",
-           "stand_in_for_empty_locals"]
+__all__ = ["AUTOGRAD_INPUTS_MESSAGE", "EXTREME_NORMS", "FLAT_START_ATTR", "PieceDTensor", "RANDOM_FILLS",
+           "TRUNC_NORMAL_REFUSED", "init_caller", "is_flat_piece", "piece_dtensor", "stand_in_for_empty_locals"]
 
 aten = torch.ops.aten
 _MEAN = {aten.mean.default}
@@ -94,7 +94,7 @@ def _classify(func) -> _Kind:
 
 
 # [Note: random fills of pieces] ``nn.init.normal_`` / ``uniform_`` (and the inits built
-# on them: xavier, kaiming, trunc_normal_) on a sharded parameter after wrapping (a
+# on them: xavier, kaiming) on a sharded parameter after wrapping (a
 # model built on the meta device and initialised after ``fully_shard``, as FSDP2 users
 # do, or HF's ``_init_weights`` applied late) would draw only the piece's numbers, so
 # the weights would differ from the same init of the unwrapped model. Instead the op
@@ -104,7 +104,9 @@ def _classify(func) -> _Kind:
 # equal the unwrapped init bit for bit. The piece's offset in the parameter's flat
 # order is set on the distributed parameter (``FLAT_START_ATTR``) and follows it
 # through ``.data`` / ``detach()``; a piece without it (a gradient, an optimizer
-# state) is refused. The temporary is one parameter's full size (init time only).
+# state) is refused. The temporary is one parameter's full size (init time only), in the
+# main weights' dtype. ``trunc_normal_`` (drawn by rejection over the whole tensor on
+# recent torch) and ``orthogonal_`` (a QR of the whole matrix) are refused before writing.
 RANDOM_FILLS = {
     aten.normal_.default, aten.uniform_.default, aten.bernoulli_.float, aten.bernoulli_.Tensor,
     aten.exponential_.default, aten.geometric_.default, aten.log_normal_.default, aten.cauchy_.default,
@@ -121,12 +123,13 @@ _RANDOM_FILL_REFUSED = (
 )
 
 
-_TRUNC_NORMAL_REFUSED = (
+TRUNC_NORMAL_REFUSED = (
     "torch.nn.init.trunc_normal_ on a sharded parameter after wrapping is refused (nothing was "
     "written): torch draws it by rejection, redrawing until every element of the whole tensor is in "
     "range, a loop over values no rank holds. Fix: initialise before wrapping, or build on the meta "
-    "device with init_model_with_meta_device=True (each module's reset_parameters() then writes the "
-    "shards, equal to an eager build), or use nn.init.normal_ followed by clamp_ (both exact here)"
+    "device and initialise through the modules' reset_parameters() (init_model_with_meta_device=True "
+    "for fully_shard), equal to an eager build, or use nn.init.normal_ followed by clamp_ (both exact "
+    "here)"
 )
 
 
@@ -139,7 +142,7 @@ _INIT_REFUSED = (
 )
 
 
-def _init_caller(frame, depth: int = 12) -> str | None:
+def init_caller(frame, depth: int = 12) -> str | None:
     """The torch.nn.init function among the ``depth`` nearest callers, if any."""
     while frame is not None and depth > 0:
         if frame.f_globals.get("__name__") == "torch.nn.init":
@@ -154,8 +157,8 @@ def _fill_piece_at_random(func, args, kwargs):
     start = getattr(piece, FLAT_START_ATTR, None)
     if start is None:
         raise NotImplementedError(_RANDOM_FILL_REFUSED.format(func=func))
-    if _init_caller(sys._getframe(1)) == "_no_grad_trunc_normal_":
-        raise NotImplementedError(_TRUNC_NORMAL_REFUSED)
+    if init_caller(sys._getframe(1)) == "_no_grad_trunc_normal_":
+        raise NotImplementedError(TRUNC_NORMAL_REFUSED)
     local = piece._local_tensor
     whole = torch.empty(piece.shape, dtype=local.dtype, device=local.device)
     func(whole, *args[1:], **kwargs)
@@ -219,7 +222,7 @@ def _guard(func, types, args, kwargs, base):
     if kind is _Kind.REDUCTION and not _is_full_reduction(func, args, kwargs):
         kind = _Kind.REFUSED
     if kind is _Kind.REFUSED:
-        init = _init_caller(sys._getframe(1))
+        init = init_caller(sys._getframe(1))
         if init is not None:  # orthogonal_, sparse_, eye_, dirac_: say which init and what to do
             raise NotImplementedError(_INIT_REFUSED.format(name=init.removeprefix("_no_grad_"), func=func))
         raise NotImplementedError(f"{func}: " + _REMEDY.format(what="it"))

@@ -212,6 +212,14 @@ def meta_init_worker(rank, world, *, steps=3):
     torch.manual_seed(7)
     eager_init = Net(d=8, depth=3).state_dict()  # an unsharded build draws the same numbers
     init_diff = max((initial[k] - v).abs().max().item() for k, v in eager_init.items())
+    try:  # redrawn by rejection over the whole tensor: refused before any write
+        with torch.no_grad():
+            torch.nn.init.trunc_normal_(model.blocks[0].fc1.weight, std=0.02)
+        trunc_refused = False
+    except NotImplementedError as exc:
+        trunc_refused = "trunc_normal_" in str(exc) and "nothing was written" in str(exc)
+    trunc_refused = trunc_refused and torch.equal(full_state_dict(model)["blocks.0.fc1.weight"],
+                                                  initial["blocks.0.fc1.weight"])
     # Single-process reference from the very weights the sharded init produced.
     eager = Net(d=8, depth=3)
     eager.load_state_dict(initial)
@@ -223,6 +231,7 @@ def meta_init_worker(rank, world, *, steps=3):
     return {
         "no_meta": no_meta,
         "init_diff": init_diff,
+        "trunc_refused": trunc_refused,
         "bound_ok": bound_ok,
         "distinct": distinct,
         "initial": initial["blocks.0.fc1.weight"],
@@ -596,6 +605,7 @@ def test_meta_device_init_via_reset_parameters(pool):
         # Each rank's rows are its part of the whole draw: before, every rank filled its
         # rows from the same RNG state, so the row blocks were copies of each other.
         assert result["init_diff"] == 0.0, result["init_diff"]
+        assert result["trunc_refused"], result
         assert result["diff"] < TOL, result
     assert all(torch.equal(results[0]["initial"], r["initial"]) for r in results)
 

@@ -33,6 +33,7 @@ equals only another ``FlatSpec``: cache keys of the two kinds never match.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -43,7 +44,10 @@ from torch.distributed.tensor.placement_types import Placement
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .. import dtensor_route
-from ..piece_dtensor import AUTOGRAD_INPUTS_MESSAGE, EXTREME_NORMS, RANDOM_FILLS, is_foreach, stand_in_for_empty_locals
+from ..piece_dtensor import (
+    AUTOGRAD_INPUTS_MESSAGE, EXTREME_NORMS, RANDOM_FILLS, TRUNC_NORMAL_REFUSED, init_caller, is_foreach,
+    stand_in_for_empty_locals,
+)
 from .placement import Flat
 
 __all__ = ["FlatDTensor", "FlatSpec", "flat_dtensor"]
@@ -287,6 +291,8 @@ def _fill_rows_at_random(func, args, kwargs):
     unsharded module would (same RNG stream and consumption), and keep this rank's
     rows: equal to the unsharded init when every rank has the same RNG state
     (piece_dtensor.py [Note: random fills of pieces] does the same for the main engine)."""
+    if init_caller(sys._getframe(1)) == "_no_grad_trunc_normal_":
+        raise NotImplementedError(TRUNC_NORMAL_REFUSED)  # its redraw loop reads the whole tensor
     t = args[0]
     offset = _row_offset(t)
     if offset is None:
