@@ -335,15 +335,7 @@ def train_step(ctx: StepContext, state: TrainState, source: SampleSource) -> Ste
     params_norm = params_l2_norm(params) if ctx.log_params_norm else None
     state.iteration += 1
     state.consumed_train_samples += ctx.layout.global_batch_size
-    # Megatron-LM: the per-micro-batch balancing losses summed, times 1 / micro batches, averaged over DP
-    # (summed for the global aux loss, whose ranks each hold a part of one loss).
-    world = dist.get_world_size() if dist.is_initialized() and not balancing_logged_as_rank_sum(_module(ctx)) else 1
-    load_balancing = None if sums.balancing is None else host[3] / world / ctx.layout.num_microbatches
-    mtp_losses = None
-    if sums.mtp is not None:  # Megatron-LM: summed over micro batches, averaged over DP, times 1 / micro batches
-        first = 3 + (sums.balancing is not None)
-        dp = dist.get_world_size() if dist.is_initialized() else 1
-        mtp_losses = tuple(v / dp / ctx.layout.num_microbatches for v in host[first:first + sums.mtp.numel()])
+    load_balancing, mtp_losses = _side_losses(ctx, sums, host)
     return StepResult(
         lm_loss=global_loss / global_tokens,
         grad_norm=grad_norm,
@@ -356,6 +348,22 @@ def train_step(ctx: StepContext, state: TrainState, source: SampleSource) -> Ste
         load_balancing_loss=load_balancing,
         mtp_losses=mtp_losses,
     )
+
+
+def _side_losses(ctx: StepContext, sums: _MicroBatchSums, host: list[float]):
+    """The logged MoE balancing loss and MTP losses from the all-reduced sums (``host``:
+    loss, tokens, non-finite flag, then the balancing sum if any, then each MTP depth)."""
+    dp = dist.get_world_size() if dist.is_initialized() else 1
+    micro = ctx.layout.num_microbatches
+    # Megatron-LM: the per-micro-batch balancing losses summed, times 1 / micro batches, averaged over DP
+    # (summed for the global aux loss, whose ranks each hold a part of one loss).
+    world = 1 if balancing_logged_as_rank_sum(_module(ctx)) else dp
+    load_balancing = None if sums.balancing is None else host[3] / world / micro
+    mtp_losses = None
+    if sums.mtp is not None:  # Megatron-LM: summed over micro batches, averaged over DP, times 1 / micro batches
+        first = 3 + (sums.balancing is not None)
+        mtp_losses = tuple(v / dp / micro for v in host[first:first + sums.mtp.numel()])
+    return load_balancing, mtp_losses
 
 
 @torch.no_grad()
