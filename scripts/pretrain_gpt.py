@@ -122,10 +122,12 @@ def checkpoint_extra_state(ctx: StepContext, state: TrainState) -> dict:
 
 
 def restore(args, ctx: StepContext, state: TrainState) -> None:
-    """Megatron-LM's resume: weights always; optimizer unless --no-load-optim or
-    --finetune; progress, schedule and loss scale unless --finetune; RNG unless
-    --no-load-rng or --finetune. The format is the one on disk, whatever --ckpt-format
-    says (as Megatron-LM's loader tells them apart)."""
+    """Megatron-LM's resume: weights always; progress unless --finetune; optimizer,
+    learning-rate schedule and loss scale unless --no-load-optim or --finetune (Megatron-LM
+    loads the three together: with --no-load-optim the schedule restarts, warmup
+    included, while the iteration count goes on); RNG unless --no-load-rng or
+    --finetune. The format is the one on disk, whatever --ckpt-format says (as
+    Megatron-LM's loader tells them apart)."""
     optimizer = None if (args.no_load_optim or args.finetune) else ctx.bundle.optimizer
     if torch_checkpoint.holds_checkpoint(args.load, args.ckpt_step):
         extra = torch_checkpoint.load(args.load, ctx.bundle.model, optimizer, step=args.ckpt_step,
@@ -138,9 +140,13 @@ def restore(args, ctx: StepContext, state: TrainState) -> None:
         logger.info("> --finetune: loaded the weights only; iteration, schedule and optimizer start fresh")
         return
     state.load_state_dict(extra["train_state"])
-    ctx.schedule.load_state_dict(extra["lr_schedule"], resume=ScheduleResume.from_args(args))
-    if ctx.scaler is not None and extra.get("loss_scaler"):
-        ctx.scaler.load_state_dict(extra["loss_scaler"])
+    if args.no_load_optim:
+        logger.info("> --no-load-optim: optimizer, learning-rate schedule and loss scale start fresh, as in "
+                    "Megatron-LM; the iteration count and consumed samples go on")
+    else:
+        ctx.schedule.load_state_dict(extra["lr_schedule"], resume=ScheduleResume.from_args(args))
+        if ctx.scaler is not None and extra.get("loss_scaler"):
+            ctx.scaler.load_state_dict(extra["loss_scaler"])
     if not args.no_load_rng:
         checkpointing.set_rng_state(extra["rng"], ctx.device)
 

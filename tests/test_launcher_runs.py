@@ -165,11 +165,14 @@ def test_async_save_then_finetune_and_no_load_optim(tmp_path):
     assert tuned_metrics["lm_loss"][0] < metrics(first)["lm_loss"][0] - 0.5
 
     resumed = tmp_path / "resumed.json"
-    # A longer run than the checkpoint's schedule: Megatron-LM's flag for keeping the command line's.
+    # --no-load-optim: as in Megatron-LM, which loads the schedule and loss scale with the optimizer,
+    # all three start fresh (a longer schedule than the checkpoint's needs no override flag), while
+    # the iteration count goes on: iteration 5 runs at the restarted warmup's first LR, 0.
     proc = torchrun(base + ["--train-iters", "10", "--lr-decay-iters", "10", "--load", str(ckpt), "--ckpt-step", "4",
-                            "--no-load-optim", "--override-opt_param-scheduler", "--log-json", str(resumed)])
-    assert "resuming at iteration 4" in proc.stdout
+                            "--no-load-optim", "--log-json", str(resumed)])
+    assert "resuming at iteration 4" in proc.stdout and "--no-load-optim: optimizer, learning-rate" in proc.stdout
     assert metrics(resumed)["iterations"] == list(range(5, 11))
+    assert metrics(resumed)["learning_rate"][0] == 0.0 and metrics(resumed)["learning_rate"][1] > 0
 
 
 # -- exit conditions (in the shared gloo worker pool) ---------------------------------------
