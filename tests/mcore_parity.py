@@ -7,6 +7,12 @@ import torch
 
 from megatron_fsdp.models import GPT, GPTConfig
 
+# The parity tests' sizes: a small GPT, and the Llama-style architecture flags.
+SEQ, VOCAB = 16, 64
+SMALL = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=SEQ, vocab_size=VOCAB)
+LLAMA = dict(swiglu=True, ffn_hidden_size=40, normalization="RMSNorm", position_embedding_type="rope",
+             num_query_groups=2, untie_embeddings_and_output_weights=True, add_bias_linear=False)
+
 
 def mcore_device() -> torch.device:
     """megatron-core builds on the current CUDA device where there is one (the CPU shim

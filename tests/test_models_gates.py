@@ -19,13 +19,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mcore_parity import mcore_device, ours_and_tokens
+from mcore_parity import LLAMA, SEQ, SMALL, VOCAB, mcore_device, ours_and_tokens
 from megatron_fsdp.models import GPT, GPTConfig, gpt_loss
 
-SEQ, VOCAB = 16, 64
-SMALL = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=SEQ, vocab_size=VOCAB)
-LLAMA = dict(swiglu=True, ffn_hidden_size=40, normalization="RMSNorm", position_embedding_type="rope",
-             num_query_groups=2, untie_embeddings_and_output_weights=True, add_bias_linear=False)
 CONFIGS = {
     # Both gates, grouped-query attention (megatron-core interleaves the gate rows per group).
     "llama_moe_both_gates": dict(LLAMA, qk_layernorm=True, attention_output_gate=True, num_moe_experts=4,

@@ -21,14 +21,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mcore_parity import mcore_device, ours_and_tokens
+from mcore_parity import LLAMA, SEQ, SMALL, VOCAB, mcore_device, ours_and_tokens
 from megatron_fsdp.models import GPT, GPTConfig, gpt_loss
 from megatron_fsdp.models.layers import ZeroCenteredNorm
 
-SEQ, VOCAB = 16, 64
-SMALL = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=SEQ, vocab_size=VOCAB)
-LLAMA = dict(swiglu=True, ffn_hidden_size=40, normalization="RMSNorm", position_embedding_type="rope",
-             num_query_groups=2, untie_embeddings_and_output_weights=True, add_bias_linear=False)
 CONFIGS = {
     "gpt_layernorm": dict(apply_layernorm_1p=True),
     "llama_rmsnorm_qk_norm": dict(LLAMA, apply_layernorm_1p=True, qk_layernorm=True),

@@ -21,16 +21,12 @@ pytest.importorskip("megatron.core")
 
 import torch  # noqa: E402
 
-from mcore_parity import mcore_device, ours_and_tokens  # noqa: E402
+from mcore_parity import LLAMA, SEQ, SMALL, VOCAB, mcore_device, ours_and_tokens  # noqa: E402
 from megatron_fsdp.models import GPT, GPTConfig, gpt_loss  # noqa: E402
 from megatron_fsdp.models.mcore import (  # noqa: E402
     balancing_loss_reader, build_mcore_gpt, mcore_unsupported, to_mcore_state_dict,
 )
 
-SEQ, VOCAB = 16, 64
-SMALL = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=SEQ, vocab_size=VOCAB)
-LLAMA = dict(swiglu=True, ffn_hidden_size=40, normalization="RMSNorm", position_embedding_type="rope",
-             num_query_groups=2, untie_embeddings_and_output_weights=True, add_bias_linear=False)
 CONFIGS = {
     "gpt": dict(),
     "gpt_exact_gelu_untied": dict(openai_gelu=False, untie_embeddings_and_output_weights=True),

@@ -19,7 +19,8 @@ import torch  # noqa: E402
 
 from mcore_parity import mcore_device, ours_and_tokens  # noqa: E402
 from megatron_fsdp.models import GPTConfig, gpt_loss  # noqa: E402
-from test_models_mcore import LLAMA, SEQ, SMALL, VOCAB, _mcore_on_cpu  # noqa: E402
+from mcore_parity import LLAMA, SEQ, SMALL, VOCAB  # noqa: E402
+from test_models_mcore import _mcore_on_cpu  # noqa: E402
 
 MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.05)
 CONFIGS = {
