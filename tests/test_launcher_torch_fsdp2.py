@@ -309,6 +309,7 @@ def _parse_recipe(tmp_path: Path, text: str):
 
 
 def test_megatron_lm_fsdp2_recipes_validate(tmp_path, monkeypatch):
+    pytest.importorskip("megatron.core")  # the recipe sets --use-mcore-models
     _recipe_env(tmp_path, monkeypatch)
     args = _parse_recipe(tmp_path, RECIPE_BF16)
     assert args.dp_path is DataParallelPath.TORCH_FSDP2 and args.use_mcore_models and args.bf16
