@@ -73,7 +73,6 @@ def test_save_retain_interval_keeps_multiples_and_the_newest(tmp_path):
 @pytest.mark.parametrize("flags, message", [
     ("--save /tmp/x --save-interval 3 --save-retain-interval 4", "positive multiple of --save-interval=3"),
     ("--save /tmp/x --save-interval 2 --save-retain-interval -2", "positive multiple"),
-    ("--save /tmp/x --save-interval 2 --async-save --disable-gloo-process-groups", "drop one of the two"),
 ])
 def test_bad_combinations_are_refused(flags, message):
     with pytest.raises(ArgumentError, match=message):

@@ -44,6 +44,15 @@ _LATER_STAGE = re.compile(r"MODEL_ARGS_\d+")
 """A later stage of a multi-stage recipe (a resumed or re-run job): the launcher runs
 the first stage, MODEL_ARGS, as the harness's first job does."""
 _UNSET_ENV = re.compile(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?")
+_BRACKETED = re.compile(r"\[([^\]]+)\]")
+"""A recipe value written ``"[a b c]"``: Megatron-LM's recipe runner (``_run_training.sh``)
+drops the brackets and passes the words as separate tokens (``--offload-modules a b c``).
+Plain config files keep such a value as written."""
+
+
+class RecipeArgs(dict):
+    """The ``MODEL_ARGS`` of a Megatron-LM functional-test recipe: its values are read as
+    that recipe runner passes them (see ``_BRACKETED``)."""
 
 
 class MegatronArgumentParser(argparse.ArgumentParser):
@@ -180,6 +189,9 @@ def config_to_argv(config: dict[str, Any], table: FlagTable, source: str) -> lis
             problems.append(f"unknown key {key!r}" + (f" (did you mean {close!r}?)" if close else ""))
             continue
         value = _expand_env(value, key, source, problems)
+        if isinstance(config, RecipeArgs) and isinstance(value, str) and _BRACKETED.fullmatch(value.strip()):
+            words = _BRACKETED.fullmatch(value.strip()).group(1).split()
+            value = words[0] if len(words) == 1 else words
         try:
             argv += _config_entry_tokens(spec, key, value, source)
         except ArgumentError as exc:
@@ -225,7 +237,7 @@ def load_config_file(path: str) -> dict[str, Any]:
         if extra:
             raise ArgumentError(f"--config {path!r}: top-level keys {extra} next to MODEL_ARGS; a recipe keeps its "
                                 "flags under MODEL_ARGS")
-        return model_args
+        return RecipeArgs(model_args)
     return config
 
 

@@ -20,7 +20,8 @@ import re
 from .. import device as device_mod
 from ..enums import ShardingStrategy
 from ..models.config import megatron_swiglu_ffn_hidden_size
-from . import determinism, mla_flags, mtp_flags, muon_flags, tokenizers, torch_fsdp2_flags
+from . import (activation_offload_flags, determinism, mla_flags, mtp_flags, muon_flags, tokenizers,
+               torch_fsdp2_flags)
 from .arg_types import BYTE_VOCAB_SIZE, DataParallelPath, LRDecayStyle, Precision, TokenizerType
 from .flag_table import FlagSpec, FlagStatus
 
@@ -59,7 +60,8 @@ def collect_problems(args: argparse.Namespace, world_size: int) -> list[str]:
     problems: list[str] = []
     for rule in (_required, _model_shape, _model_features, _multi_latent_attention, _multi_token_prediction,
                  _recompute, _batch, _eval_batch, _batch_rampup, _schedule, _data_parallel, _megatron_fsdp,
-                 _precision, _determinism, _data, _fim, _io, _optional_packages, _muon):
+                 _precision, _determinism, _data, _fim, _io, _optional_packages, _muon, _activation_offload,
+                 _rerun):
         problems += rule(args, world_size)
     return problems
 
@@ -116,6 +118,10 @@ def _model_shape(args, world_size) -> list[str]:
             problems.append(f"--{name.replace('_', '-')}={value} must be in [0, 1)")
     if not 0.0 < args.rotary_percent <= 1.0:
         problems.append(f"--rotary-percent={args.rotary_percent} must be in (0, 1]")
+    if not args.add_position_embedding and args.position_embedding_type != "rope":  # Megatron-LM's validate_args
+        problems.append(f"--no-position-embedding with --position-embedding-type {args.position_embedding_type}: "
+                        "Megatron-LM refuses the deprecated flag unless the positions are rotary; say what you mean "
+                        "with --position-embedding-type (rope) and drop --no-position-embedding")
     return problems
 
 
@@ -274,6 +280,21 @@ def _multi_latent_attention(args, world_size) -> list[str]:
 
 def _multi_token_prediction(args, world_size) -> list[str]:
     return mtp_flags.mtp_problems(args)
+
+
+def _activation_offload(args, world_size) -> list[str]:
+    return activation_offload_flags.offload_problems(args)
+
+
+def _rerun(args, world_size) -> list[str]:
+    # megatron-core's rerun machine consults the error injector only while it validates
+    # results (--rerun-mode validate_results, Megatron-LM's default); disabled, a rate changes nothing.
+    if args.error_injection_rate > 0 and args.rerun_mode != "disabled":
+        return [f"--error-injection-rate {args.error_injection_rate} with --rerun-mode {args.rerun_mode}: Megatron-LM "
+                "would inject faults into 1 in that many validated results and re-run or stop the iteration they "
+                "hit (its rerun machine's diagnosis), which is not implemented here; pass --error-injection-rate 0 "
+                "or --rerun-mode disabled"]
+    return []
 
 
 def _recompute(args, world_size) -> list[str]:
@@ -519,9 +540,6 @@ def _io(args, world_size) -> list[str]:
         if retain <= 0 or retain % args.save_interval:
             problems.append(f"--save-retain-interval={retain} must be a positive multiple of "
                             f"--save-interval={args.save_interval}")
-    if args.async_save and not args.use_gloo_process_groups:
-        problems.append("--async-save coordinates its background writes on a gloo process group of its own, which "
-                        "--disable-gloo-process-groups forbids; drop one of the two")
     interval = args.check_weight_hash_across_dp_replicas_interval
     if interval is not None and interval <= 0:
         problems.append(f"--check-weight-hash-across-dp-replicas-interval={interval} must be a positive number "
@@ -625,6 +643,13 @@ def derive_fields(args: argparse.Namespace, world_size: int) -> None:
     if args.use_megatron_fsdp and not args.use_distributed_optimizer:
         # Megatron-LM turns the distributed optimizer on itself (and warns).
         args.use_distributed_optimizer = True
+    if args.async_save and not args.use_gloo_process_groups:
+        # As Megatron-LM does when its background writer is unavailable: save synchronously
+        # and say so. The checkpoint is the same; only its overlap with training is lost.
+        args.async_save = False
+        warnings.append("--async-save with --disable-gloo-process-groups: checkpoints are written synchronously (the "
+                        "background writer, torch.distributed.checkpoint.async_save, coordinates on a gloo group, "
+                        "which the flag forbids); the checkpoint written is the same")
     _derive_model_fields(args, warnings)
     if args.grad_reduce_in_bf16 and args.megatron_fsdp_grad_comm_dtype == "auto":
         args.megatron_fsdp_grad_comm_dtype = "bf16"
