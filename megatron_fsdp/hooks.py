@@ -35,6 +35,7 @@ from .enums import ShardingStrategy, TrainingState
 from .grad_reduce_pipeline import GradReducePipeline
 from .outputs import grad_tensors, refuse_hidden_grad_tensors
 from .param_and_grad_buffer import ParamAndGradBuffer, ParameterGroup
+from .param_swap import direct_call_message
 from .unit_schedule import UnitSchedule, finish_order
 
 logger = logging.getLogger(__name__)
@@ -116,7 +117,12 @@ class HookRuntime:
         on_backward_start: Callable[[], None],
         on_backward_end: Callable[[], None],
         root_dp_group: Any = None,
+        params_registered: Callable[[], bool] = lambda: True,
     ) -> None:
+        """``params_registered``: whether the module's compute parameters are registered
+        (inside the wrapper's forward or a backward): a unit's forward outside that is
+        a direct call (param_swap.py [Note: direct calls of the wrapped module])."""
+        self.params_registered = params_registered
         self.buffer = buffer
         self.units = units
         self.all_gather = all_gather
@@ -181,9 +187,13 @@ class HookRuntime:
 
     def _make_pre_forward(self, unit: FSDPUnit):
         def hook(module, args):
-            self.pre_forward(unit)
+            self.pre_forward(unit, module)
 
         return hook
+
+    def refuse_direct_call(self, unit: FSDPUnit, module: nn.Module) -> None:
+        if not self.params_registered():
+            raise RuntimeError(direct_call_message(f"{type(module).__name__}(...) in the unit {unit.name}"))
 
     def _make_post_forward(self, unit: FSDPUnit, last: bool):
         def hook(module, args, output):
@@ -293,9 +303,10 @@ class HookRuntime:
 
     # -- units --------------------------------------------------------------------
     @_eager
-    def pre_forward(self, unit: FSDPUnit) -> None:
+    def pre_forward(self, unit: FSDPUnit, module: nn.Module) -> None:
         if unit.state is TrainingState.PRE_BACKWARD:
             return  # recompute inside backward: already gathered
+        self.refuse_direct_call(unit, module)  # before any gather: the schedule stays as it was
         self._close_open_units(unit)
         for skipped in self._forward_walk.catch_up(unit):
             self._visit_skipped_forward(skipped)

@@ -224,6 +224,7 @@ class MegatronFSDP(RefusesCopies, nn.Module):
             on_backward_start=self._on_backward_start,
             on_backward_end=self._on_backward_end,
             root_dp_group=self.dist_index.groups_for(False).shard_group,
+            params_registered=lambda: self._registered.compute_registered,
         )
         self._runtime.register()
         for group in buffer.groups:
@@ -698,6 +699,7 @@ class MegatronFSDP(RefusesCopies, nn.Module):
         fails, so that it is all or nothing). Collective."""
         self._runtime.remove()
         self._registered.register_compute()
+        self._registered.release()
         self.all_gather_pipeline.wait_all()
         self.grad_reduce_pipeline.wait_all()
         for group in self.param_and_grad_buffer.groups:

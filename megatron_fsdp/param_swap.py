@@ -45,6 +45,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
+import weakref
 from typing import Optional
 
 import torch
@@ -119,6 +121,34 @@ _REMOVED_MESSAGE = (
 )
 
 
+_SWAPPED_MESSAGE = (
+    "{name} holds a tensor other than the parameter megatron_fsdp registered there at wrapping "
+    "(torch.func.functional_call and torch.nn.utils.stateless put the tensors they are given there for the "
+    "call; so does writing module._parameters directly): the wrapper runs the module on the weights it gathers "
+    "itself, so it cannot run it on other tensors. functional_call(model, dict(model.named_parameters()), ...) "
+    "with the wrapper's own parameters works; to run the model on other weights (an EMA, a MAML inner step), "
+    "load them into an unwrapped copy of the module (built before wrapping, or from "
+    "megatron_fsdp.get_full_state_dict(model)) and call that. No weight has changed"
+)
+
+def direct_call_message(what: str) -> str:
+    """[Note: direct calls of the wrapped module]: ``what`` names the module called."""
+    return (
+        f"{what} was called directly, outside the megatron_fsdp wrapper's forward (model.module(x) or "
+        "model.module.<submodule>(x), DDP habits): between steps its parameters are this rank's shards, and the "
+        "wrapper's forward is what gathers them and prepares the gradient sync. Call the wrapper instead "
+        "(model(x) returns what the module returns); to run the module or a part of it without the wrapper "
+        "(evaluation, HF generate), load megatron_fsdp.get_full_state_dict(model) into an unwrapped copy. "
+        "No weight has changed"
+    )
+
+
+def _refuse_direct_call(registered: "weakref.ref[RegisteredParams]", module: nn.Module, args: tuple) -> None:
+    alive = registered()
+    if alive is not None and not alive.compute_registered:
+        raise RuntimeError(direct_call_message(f"{type(module).__name__}(...), the wrapped module,"))
+
+
 class RegisteredParams:
     """Swaps every registration of a wrapped module's parameters between the compute
     parameter and its distributed twin."""
@@ -139,6 +169,20 @@ class RegisteredParams:
             share_grad_hooks(r.compute, r.dist)
         self.compute_registered = True
         """Whether the compute parameters are the registered ones (as at wrapping)."""
+        # [Note: direct calls of the wrapped module] DDP's ``model.module(x)`` runs a
+        # full replica; here it would run on the distributed parameters, and fail deep
+        # inside with DTensor errors that name no cause. Prepended: before any user
+        # hook on the module has a side effect. Compute parameters are registered
+        # exactly while the wrapper's forward or a backward (a recompute) runs. A weak
+        # reference: the user's module must not keep the wrapper's weights alive.
+        # Units called directly (model.module.blocks[0](x)) are refused by their own
+        # pre-forward hook (hooks.py); other submodules still fail inside DTensor.
+        self._direct_call_hook = module.register_forward_pre_hook(
+            functools.partial(_refuse_direct_call, weakref.ref(self)), prepend=True)
+
+    def release(self) -> None:
+        """The module is unwrapped (``unshard_module``): direct calls are its own again."""
+        self._direct_call_hook.remove()
 
     def check_distributed(self) -> None:
         """Refuse what would make the distributed parameters silently stop meaning the
@@ -156,10 +200,13 @@ class RegisteredParams:
             return
         self.check_distributed()  # every check before the first swap: all or nothing
         for r in self._registrations:
-            if r.module._parameters.get(r.name) is not r.dist:
-                # module_guards.py [Note: parameters added after wrapping]: a deletion, or a
-                # parametrization that moved the parameter, escapes the registration hooks.
-                raise RuntimeError(_REMOVED_MESSAGE.format(name=f"{type(r.module).__name__}.{r.name}"))
+            current = r.module._parameters.get(r.name)
+            if current is not r.dist:
+                # module_guards.py [Note: parameters added after wrapping]: a deletion, a
+                # parametrization that moved the parameter, or functional_call's swap
+                # (which writes ``_parameters`` directly) escapes the registration hooks.
+                message = _REMOVED_MESSAGE if current is None else _SWAPPED_MESSAGE
+                raise RuntimeError(message.format(name=f"{type(r.module).__name__}.{r.name}"))
         for r in self._registrations:
             _set_param(r.module, r.name, r.compute)
         self.compute_registered = True
