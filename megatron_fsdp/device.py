@@ -62,6 +62,11 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def current_stream(device: torch.device):
+    """The stream work on ``device`` is queued to now (``None`` on the CPU, which has none)."""
+    return torch.cuda.current_stream(device) if device.type == "cuda" else None
+
+
 def memory_allocated(device: torch.device) -> int:
     """Bytes held by the CUDA caching allocator; 0 on the CPU (use RSS there)."""
     if device.type == "cuda":

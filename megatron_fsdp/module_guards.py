@@ -96,12 +96,18 @@ def refuse_moves(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]) 
     else raise."""
     named = itertools.chain(module.named_parameters(), module.named_buffers())
     for name, tensor in named:
-        probe = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
-        out = fn(probe)
-        if out.dtype != tensor.dtype or out.device != tensor.device:
-            before, after = f"{tensor.dtype} on {tensor.device}", f"{out.dtype} on {out.device}"
-            raise TypeError(_MOVE_MESSAGE.format(name=name, before=before, after=after))
+        refuse_move(name, tensor, fn)
     return module
+
+
+def refuse_move(name: str, tensor: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Raise when ``fn`` (an ``nn.Module._apply`` conversion) would change ``tensor``'s
+    dtype or device; tried on an empty tensor of its kind, so nothing is copied."""
+    probe = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+    out = fn(probe)
+    if out.dtype != tensor.dtype or out.device != tensor.device:
+        before, after = f"{tensor.dtype} on {tensor.device}", f"{out.dtype} on {out.device}"
+        raise TypeError(_MOVE_MESSAGE.format(name=name, before=before, after=after))
 
 
 def _refuse_moves_of(module: nn.Module, fn: Callable, recurse: bool = True) -> nn.Module:

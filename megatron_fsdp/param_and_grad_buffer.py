@@ -88,6 +88,24 @@ class ParameterGroup:
     def hfsdp(self) -> bool:
         return self.dp.outer_shards_optimizer
 
+    # Upstream's names for the fields above, read by Megatron-LM's DistributedOptimizer and by
+    # upstream's users and tests (``parameter_groups[i].main_weight_buffer.data.dtype``).
+    @property
+    def fsdp_unit_id(self) -> Optional[int]:
+        return self.unit
+
+    @property
+    def model_weight_buffer(self) -> DataParallelBuffer:
+        return self.model_weights
+
+    @property
+    def main_weight_buffer(self) -> Optional[DataParallelBuffer]:
+        return self.main_weights
+
+    @property
+    def main_grad_buffer(self) -> Optional[DataParallelBuffer]:
+        return self.main_grads
+
     @property
     def label(self) -> str:
         where = "root" if self.unit is None else f"unit{self.unit}"
@@ -400,6 +418,15 @@ class ParamAndGradBuffer:
     @property
     def grad_groups(self) -> list[ParameterGroup]:
         return [g for g in self.groups if g.requires_grad]
+
+    # Upstream's names: the group list, and each (compute or distributed) parameter's group index.
+    @property
+    def parameter_groups(self) -> list[ParameterGroup]:
+        return self.groups
+
+    @property
+    def param_to_param_group(self) -> dict[nn.Parameter, int]:
+        return {p: g.index for p, (g, _) in (*self._slot.items(), *self._dist_slot.items())}
 
     def groups_of_unit(self, unit: Optional[int]) -> list[ParameterGroup]:
         return [g for g in self.groups if g.unit == unit]

@@ -23,6 +23,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from .. import collectives
 from ..allocator import StorageResizeAllocator, is_allocated
+from ..device import current_stream
 from .layout import GlobalLayout, non_leading_numel
 from .dtensor import flat_dtensor
 from .placement import Flat, NestedRows, changed_mesh_axis, validate_placements
@@ -59,6 +60,9 @@ class DBuffer:
     """Label of this buffer's collectives in the profiler and the collective recorder."""
     allocator: Optional[StorageResizeAllocator]
     """Counts released / reallocated storage in its accounting (``None``: not counted)."""
+    allocation_stream: Optional[torch.cuda.Stream]
+    """The stream the local storage was allocated on (``None`` on the CPU): uses on other
+    streams must be joined back to it before the storage is freed or resized."""
 
     def __init__(
         self,
@@ -76,9 +80,10 @@ class DBuffer:
         offset, numel = self._local_range(mesh, layout, placements)
         self._init(mesh, placements, layout, offset, torch.empty(numel, dtype=dtype, device=device), name, allocator)
 
-    def _init(self, mesh, placements, layout, offset, local_buffer, name, allocator) -> None:
+    def _init(self, mesh, placements, layout, offset, local_buffer, name, allocator, allocation_stream=None) -> None:
         self.mesh, self.placements, self.layout, self.offset = mesh, placements, layout, offset
         self.local_buffer, self.name, self.allocator = local_buffer, name, allocator
+        self.allocation_stream = allocation_stream if allocation_stream is not None else current_stream(local_buffer.device)
         self._pending: list[_Pending] = []
 
     @staticmethod
@@ -105,8 +110,10 @@ class DBuffer:
         *,
         name: str = "",
         allocator: Optional[StorageResizeAllocator] = None,
+        allocation_stream: Optional[torch.cuda.Stream] = None,
     ) -> "DBuffer":
-        """Wrap an existing flat, contiguous local buffer (no allocation)."""
+        """Wrap an existing flat, contiguous local buffer (no allocation). ``allocation_stream``:
+        the stream ``local_buffer`` was allocated on (default: its device's current stream)."""
         placements = cls._check_placements(mesh, placements)
         layout = GlobalLayout.build(tensor_shapes, dp_size=mesh.size())
         offset, numel = cls._local_range(mesh, layout, placements)
@@ -115,7 +122,7 @@ class DBuffer:
         if local_buffer.numel() != numel:
             raise ValueError(f"local_buffer has {local_buffer.numel()} elements; these placements need {numel}")
         buffer = cls.__new__(cls)
-        buffer._init(mesh, placements, layout, offset, local_buffer, name, allocator)
+        buffer._init(mesh, placements, layout, offset, local_buffer, name, allocator, allocation_stream)
         return buffer
 
     @classmethod
@@ -304,7 +311,10 @@ class DBuffer:
         offset, numel = self._local_range(self.mesh, self.layout, placements)
         piece = self.local_buffer.narrow(0, offset - self.offset, numel)
         if out is None:
-            return DBuffer.from_local(piece, self.mesh, placements, self.layout.tensor_shapes, name=self.name)
+            return DBuffer.from_local(
+                piece, self.mesh, placements, self.layout.tensor_shapes, name=self.name,
+                allocation_stream=self.allocation_stream,
+            )
         destination = self._destination(out, placements)
         destination.local_buffer.copy_(piece)
         return destination
@@ -315,7 +325,8 @@ class DBuffer:
         if new.reduce_op != "avg" or out is not None:
             raise NotImplementedError("Replicate -> Partial is supported for Partial('avg') without out= only")
         return DBuffer.from_local(
-            self.local_buffer, self.mesh, self._with(axis, new), self.layout.tensor_shapes, name=self.name
+            self.local_buffer, self.mesh, self._with(axis, new), self.layout.tensor_shapes, name=self.name,
+            allocation_stream=self.allocation_stream,
         )
 
     # -- per-tensor views ------------------------------------------------------------------

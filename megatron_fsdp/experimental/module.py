@@ -38,10 +38,10 @@ from torch.distributed.tensor.placement_types import Placement
 from torch.profiler import record_function
 
 from ..allocator import BufferAccounting, StorageResizeAllocator
-from ..module_guards import RefusesCopies
+from ..module_guards import RefusesCopies, refuse_move
 from ..mixed_precision import MixedPrecisionPolicy
 from ..outputs import grad_tensors, refuse_hidden_grad_tensors
-from .parameter_group import FsdpParameterGroup, PendingReduction, get_containing_parameter_group
+from .parameter_group import FsdpParameterGroup, PendingReduction, get_containing_parameter_group, owns_parameter
 from .placement import specialize_placements
 
 logger = logging.getLogger(__name__)
@@ -198,6 +198,28 @@ class FsdpModule(RefusesCopies):
         self._num_trainable = sum(len(g.fsdp_parameters) for g in groups if g.requires_grad)
         self._register_hooks()
         context.register_module(self)
+
+    def _apply(self, fn, recurse: bool = True):
+        """``model.to()`` / ``.cuda()`` / ``.half()``: a conversion that keeps the sharded
+        parameters' device and dtype (``model.to(the mesh device)`` after sharding a child)
+        leaves them alone and converts the rest; any other is refused before anything moves."""
+        # The sharded parameters are views of DBuffers on the mesh device, and the
+        # ownership table refers to them weakly, so torch's swap of a converted DTensor
+        # into place is impossible (swap_tensors refuses weakly referenced tensors) and
+        # would detach them from the buffers anyway: hide them from the base _apply.
+        hidden = []
+        for module_name, module in self.named_modules() if recurse else [("", self)]:
+            for key, param in module._parameters.items():
+                if param is not None and owns_parameter(param):
+                    refuse_move(f"{module_name}.{key}".lstrip("."), param, fn)
+                    hidden.append((module, key, param))
+        for module, key, _ in hidden:
+            module._parameters[key] = None  # keeps the key, so the parameter order stays
+        try:
+            return super()._apply(fn, recurse)
+        finally:
+            for module, key, param in hidden:
+                module._parameters[key] = param
 
     # -- properties -------------------------------------------------------------------------
     @property

@@ -191,8 +191,9 @@ def validate_placements(placements: Iterable[Placement]) -> tuple[Placement, ...
             seen_flat = True
         elif seen_flat:
             raise ValueError(
-                f"placements {placements!r}: Flat axes must come last, so that each rank's part is one "
-                "contiguous range of the flat buffer; put the sharded axes at the end of the mesh"
+                f"placements {placements!r}: Flat placements must be a suffix (Flat axes must come last), so "
+                "that each rank's part is one contiguous range of the flat buffer; put the sharded axes at the "
+                "end of the mesh"
             )
     return placements
 
