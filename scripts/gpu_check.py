@@ -15,7 +15,10 @@ On one GPU (world size 1 on a real NCCL group), with nothing to download:
 * host syncs per steady-state step (CUDA sync-debug mode), NaN checks off and on;
 * step time of a ~1B GPT: megatron_fsdp against the bare model and PyTorch FSDP2;
 * the fake-process-group world-8 path on CUDA tensors (a subprocess);
-* a profiler trace of a few ZeRO-3 steps.
+* a profiler trace of a few ZeRO-3 steps;
+* upstream (only with ``--upstream-wheel PATH``): the same user script under upstream
+  Megatron-FSDP and under ours, weights, state dicts and DCP checkpoints compared
+  (scripts/upstream_ab.py).
 
 Every section records its figures and a pass flag in ``gpu_check.json``; a failing
 section is recorded with its error and the others still run. ``--device cpu`` runs
@@ -494,6 +497,19 @@ def check_fake_world(device: torch.device, world: int = 8) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def check_upstream(device: torch.device, out: Path, wheel: str | None) -> dict:
+    """Upstream Megatron-FSDP against ours (scripts/upstream_ab.py): each in its own
+    subprocess, since both packages are named ``megatron_fsdp``."""
+    if not wheel:
+        return dict(passed=None, skipped="needs --upstream-wheel PATH (upstream's megatron_fsdp wheel)")
+    scripts = str(Path(__file__).resolve().parent)
+    if scripts not in sys.path:
+        sys.path.insert(0, scripts)
+    import upstream_ab
+
+    return upstream_ab.run_ab(Path(wheel), out / "upstream", device.type)
+
+
 def fake_world_main(world: int, device_type: str) -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -545,8 +561,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--impls", default=",".join(STEP_TIME_IMPLS),
                         help="step_time: which of %(default)s to time (bare is always timed)")
+    parser.add_argument("--upstream-wheel", help="upstream megatron_fsdp wheel: adds the 'upstream' section")
     parser.add_argument("--fake-world", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.upstream_wheel and "upstream" not in args.sections.split(","):
+        args.sections += ",upstream"
     if args.fake_world:
         return fake_world_main(args.fake_world, args.device)
     inject_fault()
@@ -571,6 +590,7 @@ def main() -> None:
                                              tuple(dict.fromkeys(["bare", *args.impls.split(",")]))),
         "step_profile": lambda: check_step_profile(device, out),
         "sanitizer": lambda: check_sanitizer(device, out),
+        "upstream": lambda: check_upstream(device, out, args.upstream_wheel),
     }
     for name in args.sections.split(","):
         start = time.perf_counter()

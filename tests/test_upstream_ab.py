@@ -1,0 +1,87 @@
+"""The upstream A/B script (scripts/upstream_ab.py) on the CPU, so it cannot rot.
+
+Upstream itself is not run here (the wheel is not part of the repository): the
+script's ``--self-check`` path runs our package on both sides through the same two
+subprocesses, DCP cross-loads included. The comparison is also checked to catch a
+difference, and gpu_check's ``upstream`` section to skip without a wheel."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "upstream_ab.py"
+
+
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_self_check_runs_both_sides_and_cross_loads_checkpoints(tmp_path):
+    # The driver in-process (this process has torch loaded already); the two sides are
+    # the script's own worker subprocesses, as on the GPU.
+    ab = _load("upstream_ab", SCRIPT)
+    ab.run_ab(None, tmp_path, "cpu", self_check=True, strategies="optim_grads_params", precisions="fp32", timeout=120)
+    record = json.loads((tmp_path / "upstream_ab.json").read_text())
+    assert record["passed"] is True, record
+    assert {w["returncode"] for w in record["workers"].values()} == {0}
+    (row,) = record["sections"]["fp32"]["rows"]
+    assert row["max_abs_diff_weights"] == 0.0 and row["max_abs_diff_optim_state"] == 0.0
+    assert row["vs_bare_adamw"] == {"upstream": 0.0, "ours": 0.0}
+    assert record["sections"]["state_dict"]["rows"][0]["model_keys"] > 0
+    rows = record["sections"]["checkpoint"]["rows"]
+    assert sorted(r["case"] for r in rows) == sorted(
+        f"{a}<-{b}/optim_grads_params" for a in ("ours", "upstream") for b in ("ours", "upstream"))
+    assert all(r["vs_ours_uninterrupted"]["weights"] == 0.0 for r in rows)
+    assert record["sections"]["bf16"]["passed"] is None  # not requested, and says so
+
+
+def _side(weight: torch.Tensor, step: float) -> dict:
+    meta = {"module.w": dict(type="Tensor", shape=[2], dtype="torch.float32")}
+    run = dict(losses=[1.0, 0.5], model={"module.w": weight}, model_meta=meta,
+               optim={"state.0.step": torch.tensor(step)}, optim_meta={"state.0.step": dict(type="Tensor")})
+    return dict(runs={"fp32/optim": run}, resume={})
+
+
+def test_compare_reports_a_weight_or_step_difference():
+    ab = _load("upstream_ab", SCRIPT)
+    same = ab.compare({"upstream": _side(torch.ones(2), 5), "ours": _side(torch.ones(2), 5)})
+    assert same["fp32"]["passed"] is True and same["fp32"]["rows"][0]["max_abs_diff_weights"] == 0.0
+    moved = ab.compare({"upstream": _side(torch.ones(2), 5), "ours": _side(torch.tensor([1.0, 1.001]), 5)})
+    assert moved["fp32"]["passed"] is False
+    assert abs(moved["fp32"]["rows"][0]["max_abs_diff_weights"] - 0.001) < 1e-6
+    stepped = ab.compare({"upstream": _side(torch.ones(2), 6), "ours": _side(torch.ones(2), 5)})
+    assert stepped["fp32"]["passed"] is False and stepped["fp32"]["rows"][0]["max_abs_diff_optim_state"] == 1.0
+    diverged = ab.compare({"upstream": _side(torch.ones(2), 5), "ours": _side(torch.tensor([1.0, float("nan")]), 5)})
+    assert diverged["fp32"]["passed"] is False and diverged["fp32"]["rows"][0]["max_abs_diff_weights"] == float("inf")
+
+
+def test_only_upstreams_priming_step_is_an_explained_difference():
+    """Upstream 0.6.1's fully_shard_optimizer steps once on zero gradients; a row whose
+    difference is exactly that (ours = the reference loop, upstream = the primed loop)
+    passes with that verdict, any other difference still fails."""
+    ab = _load("upstream_ab", SCRIPT)
+    plain, primed = torch.ones(2), torch.full((2,), 0.99)
+
+    def sides(upstream_weight):
+        ours = _side(plain, 5)
+        ours.update({"master/fp32": dict(model={"module.w": plain}), "primed/fp32": dict(model={"module.w": primed})})
+        return {"upstream": _side(upstream_weight, 5), "ours": ours}
+
+    explained = ab.compare(sides(primed))["fp32"]
+    assert explained["passed"] is True and explained["rows"][0]["verdict"].startswith("upstream's priming step")
+    unexplained = ab.compare(sides(torch.full((2,), 0.98)))["fp32"]
+    assert unexplained["passed"] is False and unexplained["rows"][0]["verdict"] == "differs"
+
+
+def test_gpu_check_skips_the_upstream_section_without_a_wheel(tmp_path):
+    gpu_check = _load("gpu_check_for_upstream_ab", ROOT / "scripts" / "gpu_check.py")
+    result = gpu_check.check_upstream(torch.device("cpu"), tmp_path, None)
+    assert result["passed"] is None and "--upstream-wheel" in result["skipped"]
