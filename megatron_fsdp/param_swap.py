@@ -131,6 +131,7 @@ _SWAPPED_MESSAGE = (
     "megatron_fsdp.get_full_state_dict(model)) and call that. No weight has changed"
 )
 
+
 def direct_call_message(what: str) -> str:
     """[Note: direct calls of the wrapped module]: ``what`` names the module called."""
     return (

@@ -4,6 +4,13 @@ upstream's package and once with ours, must give the same numbers.
 
     python scripts/upstream_ab.py --upstream-wheel megatron_fsdp-0.6.1-py3-none-any.whl --out DIR [--device cuda|cpu]
     python scripts/upstream_ab.py --self-check --device cpu --out DIR   # ours on both sides (CI)
+    python scripts/upstream_ab.py --upstream-wheel W --out DIR --device cpu --world 4 --patterns plain,accum,hsdp
+
+``--world N`` (N > 1) or ``--patterns`` runs scripts/upstream_ab_patterns.py instead:
+each side a group of N gloo ranks on its slice of every batch, and the user patterns
+upstream documents (gradient accumulation, ``fully_shard_model`` +
+``fully_shard_optimizer``, HSDP); its docstring says what is run. What follows is
+the world-1 run (the default).
 
 Both packages are called ``megatron_fsdp``, so each side is its own subprocess
 ("worker") with its own ``sys.path``: upstream's side puts the unpacked wheel first,
@@ -61,7 +68,8 @@ checkpoints (a marker file) before resuming from them.
 Upstream needs CUDA. With ``--device cpu`` and a wheel, its side runs under
 ``cpu_shim()``: the ``torch.cuda`` names it calls (current_device, Stream, Event,
 stream, current_stream, synchronize, empty_cache, ``Tensor.cuda``) become no-ops or
-device 0, and NCCL's pre-multiplied sum, which gloo lacks, becomes scale-then-SUM.
+device 0, and NCCL's pre-multiplied sum, which gloo lacks, becomes scale-then-SUM (a
+reduce-scatter's input scaled as a copy: NCCL leaves it as it was).
 Upstream's files are not modified; the JSON lists what was patched. Only the GPU run
 is shim-free. Upstream imports ``packaging``; a copy in ``deps/`` beside the wheel is
 put last on its ``sys.path`` for machines without it.
@@ -350,24 +358,32 @@ class _PremulSum:
 
 
 def _premul_sum_on_gloo() -> list[str]:
-    """NCCL's pre-multiplied sum as upstream's unfused branch spells it: scale the
-    input in place, then SUM (the input is upstream's own gradient bucket)."""
+    """NCCL's pre-multiplied sum as SUM of scaled data, leaving what NCCL leaves: an
+    all-reduce's tensor is its output too (scaled in place); a reduce-scatter's input
+    is not, so a scaled copy is sent. Upstream's 'optim' strategy reduce-scatters a
+    whole gradient buffer into its own shard and keeps the rest of the buffer, and
+    scaling that rest in place would change what a later microbatch adds to."""
     import torch.distributed as dist
 
-    def unfused(collective, tensor_arg: str, position: int):
+    def unfused(collective, tensor_arg: str, position: int, in_place: bool):
         def call(*args, **kwargs):
             op = kwargs.get("op")
             if isinstance(op, _PremulSum):
                 tensor = kwargs[tensor_arg] if tensor_arg in kwargs else args[position]
-                tensor.mul_(op.factor)
+                if in_place:
+                    tensor.mul_(op.factor)
+                elif tensor_arg in kwargs:
+                    kwargs[tensor_arg] = tensor * op.factor
+                else:
+                    args = (*args[:position], tensor * op.factor, *args[position + 1:])
                 kwargs["op"] = dist.ReduceOp.SUM
             return collective(*args, **kwargs)
 
         return call
 
     dist._make_nccl_premul_sum = _PremulSum
-    dist.all_reduce = unfused(dist.all_reduce, "tensor", 0)
-    dist.reduce_scatter_tensor = unfused(dist.reduce_scatter_tensor, "input", 1)
+    dist.all_reduce = unfused(dist.all_reduce, "tensor", 0, in_place=True)
+    dist.reduce_scatter_tensor = unfused(dist.reduce_scatter_tensor, "input", 1, in_place=False)
     return ["torch.distributed._make_nccl_premul_sum", "torch.distributed.all_reduce",
             "torch.distributed.reduce_scatter_tensor"]
 
@@ -685,6 +701,8 @@ def main() -> None:
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
     parser.add_argument("--precisions", default=",".join(PRECISIONS))
     parser.add_argument("--no-checkpoint", dest="checkpoint", action="store_false", help="skip the DCP section")
+    parser.add_argument("--world", type=int, default=1, help="ranks per side (> 1: upstream_ab_patterns.py, cpu)")
+    parser.add_argument("--patterns", help="comma-separated user patterns (upstream_ab_patterns.PATTERNS)")
     parser.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
     parser.add_argument("--pkg-root", help=argparse.SUPPRESS)
     parser.add_argument("--cpu-shim", action="store_true", help=argparse.SUPPRESS)
@@ -699,8 +717,18 @@ def main() -> None:
             raise
     if args.upstream_wheel is None and not args.self_check:
         parser.error("--upstream-wheel PATH is required (or --self-check)")
-    record = run_ab(args.upstream_wheel, Path(args.out), args.device, self_check=args.self_check,
-                    strategies=args.strategies, precisions=args.precisions, checkpoint=args.checkpoint)
+    if args.world > 1 or args.patterns:
+        if args.device != "cpu":  # the ranks run on gloo; one GPU cannot host N NCCL ranks
+            parser.error("--world > 1 / --patterns run on --device cpu only")
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import upstream_ab_patterns
+
+        record = upstream_ab_patterns.run_multi(args.upstream_wheel, Path(args.out), world=args.world,
+                                                patterns=args.patterns or "plain", self_check=args.self_check,
+                                                strategies=args.strategies, precisions=args.precisions)
+    else:
+        record = run_ab(args.upstream_wheel, Path(args.out), args.device, self_check=args.self_check,
+                        strategies=args.strategies, precisions=args.precisions, checkpoint=args.checkpoint)
     for name, section in record.get("sections", {}).items():
         worst = [r.get("max_abs_diff_weights") for r in section["rows"] if r.get("max_abs_diff_weights") is not None]
         print(f"[upstream_ab] {name}: passed={section['passed']} rows={len(section['rows'])}"

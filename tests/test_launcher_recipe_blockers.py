@@ -101,11 +101,13 @@ def test_recipe_bracket_lists_become_tokens(tmp_path):
     body = "".join(f"  {flag}: {value}\n" for flag, value in (
         ("--fine-grained-activation-offloading", "true"),
         ("--offload-modules", '"[expert_fc1 moe_act core_attn attn_proj]"'),
-        ("--recompute-modules", '"[moe_act]"')))
+        ("--recompute-modules", '"[moe_act]"'),
+        ("--num-experts", "4"), ("--moe-layer-freq", '"[1,0]"')))
     config.write_text("MODEL_ARGS:\n" + body)
     args = parse_args(["--config", str(config)] + shlex.split(BASE), world_size=1)
     assert args.offload_modules == ["expert_fc1", "moe_act", "core_attn", "attn_proj"]
     assert args.recompute_modules == ["moe_act"]
+    assert args.moe_layer_freq == [1, 0]  # a single-valued flag's list expression stays as written
     # A plain config file (this launcher's form) keeps the value as written.
     config.write_text('recompute-modules: "[moe_act]"\n')
     assert parse_args(["--config", str(config)] + shlex.split(BASE), world_size=1).recompute_modules == ["[moe_act]"]

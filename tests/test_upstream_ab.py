@@ -43,6 +43,22 @@ def test_self_check_runs_both_sides_and_cross_loads_checkpoints(tmp_path):
     assert record["sections"]["bf16"]["passed"] is None  # not requested, and says so
 
 
+def test_self_check_at_world_two_accumulates_like_one_process(tmp_path):
+    # Two gloo ranks per side, each on its half of every batch, two microbatches
+    # (no_sync on the first), ZeRO-1: ours must equal the one-process AdamW loop on the
+    # global batch (the case where upstream 0.6.1 does not), and ours-vs-ours bit-equal.
+    patterns = _load("upstream_ab_patterns", ROOT / "scripts" / "upstream_ab_patterns.py")
+    record = patterns.run_multi(None, tmp_path, world=2, patterns="accum", self_check=True,
+                                strategies="optim", precisions="fp32", timeout=120)
+    assert record["passed"] is True, record
+    (row,) = record["sections"]["fp32"]["rows"]
+    assert row["case"] == "fp32/accum:optim" and row["max_abs_diff_weights"] == 0.0
+    assert row["max_abs_diff_optim_state"] == 0.0 and row["max_abs_diff_losses"] == 0.0
+    # Rank-split sums round differently from one process: within fp32 tolerance, not 0.
+    assert row["ours_exact"] and row["vs_bare_adamw"]["ours"] <= 1e-6
+    assert record["sections"]["state_dict"]["rows"][0]["passed"] is True
+
+
 def _side(weight: torch.Tensor, step: float) -> dict:
     meta = {"module.w": dict(type="Tensor", shape=[2], dtype="torch.float32")}
     run = dict(losses=[1.0, 0.5], model={"module.w": weight}, model_meta=meta,

@@ -60,9 +60,10 @@ class DBuffer:
     """Label of this buffer's collectives in the profiler and the collective recorder."""
     allocator: Optional[StorageResizeAllocator]
     """Counts released / reallocated storage in its accounting (``None``: not counted)."""
-    allocation_stream: Optional[torch.cuda.Stream]
-    """The stream the local storage was allocated on (``None`` on the CPU): uses on other
-    streams must be joined back to it before the storage is freed or resized."""
+    allocation_stream: Optional[torch.Stream]
+    """The stream the local storage was allocated on (``None`` on the CPU). Kept for
+    upstream's API (its users read and pass it); this package does not consult it, since
+    its buffers are used on the stream they were allocated on."""
 
     def __init__(
         self,
@@ -110,7 +111,7 @@ class DBuffer:
         *,
         name: str = "",
         allocator: Optional[StorageResizeAllocator] = None,
-        allocation_stream: Optional[torch.cuda.Stream] = None,
+        allocation_stream: Optional[torch.Stream] = None,
     ) -> "DBuffer":
         """Wrap an existing flat, contiguous local buffer (no allocation). ``allocation_stream``:
         the stream ``local_buffer`` was allocated on (default: its device's current stream)."""

@@ -202,7 +202,9 @@ class FsdpModule(RefusesCopies):
     def _apply(self, fn, recurse: bool = True):
         """``model.to()`` / ``.cuda()`` / ``.half()``: a conversion that keeps the sharded
         parameters' device and dtype (``model.to(the mesh device)`` after sharding a child)
-        leaves them alone and converts the rest; any other is refused before anything moves."""
+        leaves them alone and converts the rest; any other is refused before anything in this
+        module moves. A plain parent converts its children in order, so siblings visited
+        before this module may already be converted when it refuses: cast before sharding."""
         # The sharded parameters are views of DBuffers on the mesh device, and the
         # ownership table refers to them weakly, so torch's swap of a converted DTensor
         # into place is impossible (swap_tensors refuses weakly referenced tensors) and

@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import argparse
 
+from .arg_types import recompute_granularity
+
 OFFLOAD_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act",
                    "fused_group_mlp", "gdp_qkv")
-"""megatron-core's accepted ``--offload-modules`` names."""
+"""megatron-core's accepted ``--offload-modules`` names, as of the Megatron-LM commit the flag
+list follows (flag_data/megatron_lm_flags.csv); the pip release 0.16.1 knows the first seven."""
 _INSIDE_MOE = ("moe_act", "expert_fc1", "fused_group_mlp")
 
 
@@ -39,7 +42,7 @@ def offload_problems(args: argparse.Namespace) -> list[str]:
     if "attn_proj" in modules and "core_attn" not in modules:  # megatron-core: core_attn's backward needs it
         problems.append("--offload-modules attn_proj without core_attn: megatron-core refuses it (the projection's "
                         "input is the attention output that core_attn's backward still needs); add core_attn")
-    recompute_moe = "moe" in (args.recompute_modules or []) and _granularity(args) == "selective"
+    recompute_moe = "moe" in (args.recompute_modules or []) and recompute_granularity(args) == "selective"
     inside = [m for m in modules if m in _INSIDE_MOE]
     if recompute_moe and inside:
         problems.append(f"--offload-modules {' '.join(inside)} with --recompute-modules moe: megatron-core refuses "
@@ -60,7 +63,3 @@ def offload_problems(args: argparse.Namespace) -> list[str]:
         problems.append(f"--delta-offload-bytes-across-pp-ranks={args.delta_offload_bytes_across_pp_ranks} must be "
                         ">= 0")
     return problems
-
-
-def _granularity(args: argparse.Namespace) -> "str | None":
-    return "selective" if args.recompute_activations else args.recompute_granularity

@@ -11,6 +11,12 @@ class ArgumentError(ValueError):
     offending value and the fix."""
 
 
+def recompute_granularity(args) -> "str | None":
+    """The recomputation Megatron-LM applies: ``--recompute-activations`` is its older
+    spelling of ``--recompute-granularity selective`` and wins over it."""
+    return "selective" if args.recompute_activations else args.recompute_granularity
+
+
 class LRDecayStyle(enum.Enum):
     """Shape of the learning rate after warmup (Megatron-LM's ``--lr-decay-style``)."""
 

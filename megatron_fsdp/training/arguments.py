@@ -47,7 +47,8 @@ _UNSET_ENV = re.compile(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?")
 _BRACKETED = re.compile(r"\[([^\]]+)\]")
 """A recipe value written ``"[a b c]"``: Megatron-LM's recipe runner (``_run_training.sh``)
 drops the brackets and passes the words as separate tokens (``--offload-modules a b c``).
-Plain config files keep such a value as written."""
+Only for flags that take several values: a single-valued one keeps its value as written
+(``--moe-layer-freq "[1,0,1,0]"`` is a list expression). Plain config files keep it too."""
 
 
 class RecipeArgs(dict):
@@ -189,7 +190,8 @@ def config_to_argv(config: dict[str, Any], table: FlagTable, source: str) -> lis
             problems.append(f"unknown key {key!r}" + (f" (did you mean {close!r}?)" if close else ""))
             continue
         value = _expand_env(value, key, source, problems)
-        if isinstance(config, RecipeArgs) and isinstance(value, str) and _BRACKETED.fullmatch(value.strip()):
+        if (isinstance(config, RecipeArgs) and spec.nargs in ("*", "+") and isinstance(value, str)
+                and _BRACKETED.fullmatch(value.strip())):
             words = _BRACKETED.fullmatch(value.strip()).group(1).split()
             value = words[0] if len(words) == 1 else words
         try:

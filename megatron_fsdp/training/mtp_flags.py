@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import math
 
+from .arg_types import recompute_granularity
+
 
 def mtp_enabled(args: argparse.Namespace) -> bool:
     """Megatron-LM builds MTP layers for a positive ``--mtp-num-layers`` only (0: none, nothing logged)."""
@@ -30,7 +32,7 @@ def mtp_problems(args: argparse.Namespace) -> list[str]:
     factor = args.mtp_loss_scaling_factor
     if factor is None or not math.isfinite(factor) or factor < 0:
         problems.append(f"--mtp-loss-scaling-factor={factor} must be a finite number >= 0 (Megatron-LM's default 0.1)")
-    granularity = "selective" if args.recompute_activations else args.recompute_granularity
+    granularity = recompute_granularity(args)
     if granularity == "full" and args.recompute_method == "uniform" and args.recompute_num_layers not in (None, 1):
         # megatron-core checkpoints each MTP layer on its own and asserts one layer per chunk.
         problems.append(f"--mtp-num-layers with --recompute-method uniform --recompute-num-layers "
@@ -52,7 +54,7 @@ def mtp_warnings(args: argparse.Namespace) -> list[str]:
             return [f"--mtp-loss-scaling-factor {args.mtp_loss_scaling_factor}: no effect without a positive "
                     "--mtp-num-layers (Megatron-LM reads it for MTP only)"]
         return []
-    granularity = "selective" if args.recompute_activations else args.recompute_granularity
+    granularity = recompute_granularity(args)
     if granularity == "full" and args.recompute_method == "block":
         return ["--mtp-num-layers with --recompute-method block: the MTP layers are not recomputed (megatron-core "
                 "skips them with a warning too); the numbers are the same, the memory is that of no recomputation "

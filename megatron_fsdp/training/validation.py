@@ -22,7 +22,7 @@ from ..enums import ShardingStrategy
 from ..models.config import megatron_swiglu_ffn_hidden_size
 from . import (activation_offload_flags, determinism, mla_flags, mtp_flags, muon_flags, tokenizers,
                torch_fsdp2_flags)
-from .arg_types import BYTE_VOCAB_SIZE, DataParallelPath, LRDecayStyle, Precision, TokenizerType
+from .arg_types import BYTE_VOCAB_SIZE, DataParallelPath, LRDecayStyle, Precision, TokenizerType, recompute_granularity
 from .flag_table import FlagSpec, FlagStatus
 
 
@@ -300,7 +300,7 @@ def _rerun(args, world_size) -> list[str]:
 def _recompute(args, world_size) -> list[str]:
     """Megatron-LM's rules for activation recomputation (its TransformerConfig's):
     full needs a method and a layer count, selective takes neither."""
-    granularity = "selective" if args.recompute_activations else args.recompute_granularity
+    granularity = recompute_granularity(args)
     method, layers = args.recompute_method, args.recompute_num_layers
     problems = []
     if granularity == "full":
