@@ -325,6 +325,7 @@ class MegatronFSDP(RefusesCopies, nn.Module):
         """The wrapper's bookkeeping, run eagerly under torch.compile (hooks.py [Note: hooks
         under torch.compile]): traced, it guarded on every parameter's id and recompiled
         for every model."""
+        self._registered.check_swappable()  # refusals before any collective (param_swap.py)
         self._sync_requires_grad()
         self._edits.refresh()
         if self.broadcast_buffers and self._buffers_need_sync:
@@ -333,7 +334,7 @@ class MegatronFSDP(RefusesCopies, nn.Module):
         self._buffers_need_sync = torch.is_grad_enabled() and self._sync_enabled()
         self._runtime.root_pre_forward()
         # [Note: registered parameters]: the module's code reads compute weights.
-        self._registered.register_compute()
+        self._registered.register_compute(checked=True)
 
     # -- gradient synchronisation --------------------------------------------------
     def _sync_enabled(self) -> bool:

@@ -195,11 +195,14 @@ class RegisteredParams:
             if r.dist_address is not None and wrapper_address(r.dist) != r.dist_address:
                 raise RuntimeError(data_assignment_message(name))
 
-    @torch.compiler.disable  # a graph break (hooks.py [Note: hooks under torch.compile])
-    def register_compute(self) -> None:
+    def check_swappable(self) -> None:
+        """Every refusal of ``register_compute``, without swapping anything. The wrapper's
+        forward runs it before its first collective or weight refresh, so that a refused
+        forward (functional_call on other tensors) leaves no gather or disarmed edit check
+        behind: an in-place edit made after it must still reach the next forward."""
         if self.compute_registered:
             return
-        self.check_distributed()  # every check before the first swap: all or nothing
+        self.check_distributed()
         for r in self._registrations:
             current = r.module._parameters.get(r.name)
             if current is not r.dist:
@@ -208,6 +211,15 @@ class RegisteredParams:
                 # (which writes ``_parameters`` directly) escapes the registration hooks.
                 message = _REMOVED_MESSAGE if current is None else _SWAPPED_MESSAGE
                 raise RuntimeError(message.format(name=f"{type(r.module).__name__}.{r.name}"))
+
+    @torch.compiler.disable  # a graph break (hooks.py [Note: hooks under torch.compile])
+    def register_compute(self, *, checked: bool = False) -> None:
+        """``checked``: ``check_swappable`` has just run (the wrapper's forward), with
+        nothing but the wrapper's own bookkeeping since."""
+        if self.compute_registered:
+            return
+        if not checked:
+            self.check_swappable()  # every check before the first swap: all or nothing
         for r in self._registrations:
             _set_param(r.module, r.name, r.compute)
         self.compute_registered = True

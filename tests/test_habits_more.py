@@ -21,8 +21,14 @@ ranks (fp32, 1e-5 per parameter), or refused before any weight changes:
 * ``torch.func.functional_call(model, dict(model.named_parameters()), x)`` trains as
   DDP; ``functional_call`` with other tensors and direct calls of the wrapped module
   or of a unit (``model.module(x)``, ``model.module.blocks[1](h)``: under DDP a
-  replica) are refused, naming the fix, with the weights unchanged and training
-  going on exactly (param_swap.py [Note: direct calls of the wrapped module]).
+  replica) are refused, naming the fix (param_swap.py [Note: direct calls of the
+  wrapped module]); the direct calls before any collective, with the weights, the
+  optimizer state, the unit states and the buffers bit for bit unchanged, and training
+  (an in-place edit included) going on exactly in every strategy. A unit called
+  directly under no_shard, which hooks no unit, fails in DTensor instead. The
+  functional_call refusal comes first in the wrapper's forward, before its first
+  collective: an edit made after it reaches training (it was lost under ZeRO-1/2/3
+  before the check moved there).
 
 Not here: ``SyncBatchNorm`` needs a GPU (DDP refuses it on CPU at construction, its
 forward raises on CPU under megatron_fsdp too); ``nn.Embedding(sparse=True)`` is in
@@ -40,11 +46,13 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     apply_activation_checkpointing,
     checkpoint_wrapper,
 )
+from torch.distributed.tensor import DTensor
 from torch.func import functional_call
 from torch.nn.utils import parametrizations, parametrize
 from torch.utils.checkpoint import checkpoint
 
 import megatron_fsdp as mf
+from megatron_fsdp.param_swap import direct_call_message
 from models import IN, OUT, Block, make_batches
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
@@ -212,47 +220,160 @@ def test_habit_trains_like_ddp(pool2, habit):
 
 
 # -- refusals ------------------------------------------------------------------------------
-def refusal_worker(rank, world, *, strategy):
-    """functional_call with other tensors, model.module(x), a unit called directly: each
-    refused with its remedy and no weight changed; then DDP-equal training goes on."""
+def _engine_state(model: nn.Module, opt) -> dict:
+    """Everything a refused call must leave as it was, read without a collective or a
+    side effect (a state-dict read would bring in edits): this rank's weights, the
+    optimizer state, each unit's training state, and every parameter group's buffers
+    (the compute weights' bucket status and local data, the main weights, the main
+    gradients)."""
+    weights = dict(model.named_parameters())
+    buffers = [(g.index, g.model_weights.status, g.model_weights.data,
+                g.main_weights.data if g.main_weights is not None else None,
+                g.main_grads.data if g.main_grads is not None else None)
+               for g in model.param_and_grad_buffer.groups]
+    # opt.state_dict() would gather the full optimizer state: this rank's state instead.
+    optimizer = [({k: v for k, v in g.items() if k != "params"}, [dict(opt.state[p]) for p in g["params"]])
+                 for g in opt.param_groups]
+    return _cloned({"weights": weights, "optimizer": optimizer,
+                    "units": [(u.name, u.state) for u in model.units], "buffers": buffers})
+
+
+def _cloned(obj):
+    """Local copies (of a DTensor, this rank's part: no collective)."""
+    if isinstance(obj, DTensor):
+        obj = obj.to_local()
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: _cloned(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cloned(v) for v in obj)
+    return obj
+
+
+def _same(a, b) -> bool:
+    """Bit for bit, through nested containers."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _halve_weights(model: nn.Module) -> None:
+    """An in-place edit between steps (as DDP users clip or re-initialise weights)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.5)
+
+
+def refusal_worker(rank, world, *, strategy, order):
+    """One training step on DDP and on the wrapper, then ``order``'s actions on the
+    wrapper: "functional_call" (on other tensors), "module" (``model.module(x)``),
+    "unit" (``model.module.blocks[1](h)``), each expected to be refused, or "edit" (on
+    both models); then a second step. Per refused call: the exception (type name,
+    message), the collectives it ran, which parts of the engine state (``_engine_state``)
+    changed bit for bit; and the wrapper's largest difference from DDP at the end."""
     batches = [(x.chunk(world)[rank], y.chunk(world)[rank]) for x, y in make_batches("net", 2, batch=4 * world)]
     ddp = nn.parallel.DistributedDataParallel(_build(None))
-    model, opt = mf.fully_shard(_build(None), _optimizer, fsdp_unit_modules=[Block],
-                                zero_dp_strategy=strategy)
-    x = batches[0][0]
+    ddp_opt = _optimizer(ddp.parameters())
+    model, opt = mf.fully_shard(_build(None), _optimizer, fsdp_unit_modules=[Block], zero_dp_strategy=strategy)
+    x, y = batches[0]
     ema = {n: torch.full_like(p, 0.01) for n, p in ddp.named_parameters()}
     with torch.no_grad():  # DDP runs its replica on the given tensors, and the module is a replica
         assert functional_call(ddp, ema, (x,)).abs().sum() > 0 and torch.allclose(ddp.module(x), ddp(x))
-    before = mf.get_full_state_dict(model)
-    messages = []
+    _step("functional_call", ddp, ddp_opt, 0, x, y)
+    _step("functional_call", model, opt, 0, x, y)
+    # ZeRO-1/2 refresh the replicas after the step asynchronously: the states compared
+    # below are only deterministic once that all-gather has landed.
+    model.synchronize_param_gather()
+    initial = _engine_state(model, opt)  # not vacuous: every parameter has AdamW state to compare
+    assert all(state.keys() == {"step", "exp_avg", "exp_avg_sq"} for _, group in initial["optimizer"] for state in group)
     h = torch.randn(2, 7)
-    for call in (lambda: functional_call(model, ema, (x,)), lambda: model.module(x), lambda: model.module.blocks[1](h)):
-        try:
-            call()
-        except RuntimeError as exc:
-            messages.append(str(exc))
-        else:
-            messages.append("no error")
-    after = mf.get_full_state_dict(model)
-    unchanged = all(torch.equal(before[k], after[k]) for k in before)
-    ddp_opt = _optimizer(ddp.parameters())
-    for step, (x, y) in enumerate(batches):
-        _step("functional_call", ddp, ddp_opt, step, x, y)
-        _step("functional_call", model, opt, step, x, y)
+    calls = {"functional_call": lambda: functional_call(model, ema, (x,)), "module": lambda: model.module(x),
+             "unit": lambda: model.module.blocks[1](h)}
+    records = {}
+    for action in order:
+        if action == "edit":
+            _halve_weights(ddp.module)
+            _halve_weights(model)
+            continue
+        before = _engine_state(model, opt)
+        with mf.record_collectives() as rec:
+            try:
+                calls[action]()
+            except Exception as exc:  # the test asserts the type
+                raised = (type(exc).__name__, str(exc))
+            else:
+                raised = ("no error", "")
+        records[action] = {"raised": raised, "collectives": dict(rec.counts), "control": dict(rec.control),
+                           "changed": [k for k, v in _engine_state(model, opt).items() if not _same(before[k], v)]}
+    x, y = batches[1]
+    _step("functional_call", ddp, ddp_opt, 1, x, y)
+    _step("functional_call", model, opt, 1, x, y)
     model.finish_param_sync()
     full = mf.get_full_state_dict(model)
     diff = max((full[k] - v).abs().max().item() for k, v in ddp.module.named_parameters())
-    return messages, unchanged, diff
+    return records, diff
 
 
-@pytest.mark.parametrize("strategy", ["no_shard", "optim_grads_params"])
+def _check_direct_calls(strategy: str, records: dict) -> None:
+    """model.module(x) and a unit called directly: refused (a unit under no_shard: see
+    below) before any collective, with nothing changed."""
+    module = records["module"]
+    # The wrapped module's own pre-hook (param_swap.py), installed in every strategy.
+    assert module["raised"] == ("RuntimeError", direct_call_message("Net(...), the wrapped module,")), module
+    unit = records["unit"]
+    if strategy == "no_shard":
+        # no_shard units gather nothing, so the engine installs no hooks on them
+        # (FSDPUnit.gathers; test_units.py) and nothing refuses the call: the block runs
+        # on its replicated DTensor parameters until its first op (the LayerNorm) meets
+        # the plain activation, where DTensor refuses the mix, still before any collective.
+        assert unit["raised"][0] == "RuntimeError", unit
+        assert unit["raised"][1].startswith("aten.native_layer_norm.default got mixed torch.Tensor and DTensor"), unit
+    else:
+        assert unit["raised"] == ("RuntimeError", direct_call_message("Block(...) in the unit blocks.1")), unit
+    for record in (module, unit):
+        # "before any gather": not even a bookkeeping (control) all-reduce, and no
+        # weight, optimizer state, unit state or buffer (status, data) changed.
+        assert record["collectives"] == {} and record["control"] == {}, record
+        assert record["changed"] == [], record
+
+
+def _check_functional_call(records: dict) -> None:
+    raised = records["functional_call"]["raised"]
+    assert raised[0] == "RuntimeError", raised
+    assert raised[1].startswith("Linear.weight holds a tensor other than the parameter"), raised
+    assert "functional_call" in raised[1] and "unwrapped copy" in raised[1], raised
+    assert raised[1].endswith("No weight has changed"), raised
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_functional_call_on_other_tensors_and_direct_module_calls_are_refused(pool2, strategy):
-    for (swapped, direct, unit), unchanged, diff in pool2.run(refusal_worker, strategy=strategy):
-        assert "Linear.weight holds a tensor other than the parameter" in swapped, swapped
-        assert "functional_call" in swapped and "unwrapped copy" in swapped, swapped
-        assert "Net(...), the wrapped module, was called directly" in direct and "Call the wrapper" in direct, direct
-        if strategy == "no_shard":  # its units have no hooks (test_units.py): DTensor refuses the call
-            assert unit != "no error"
-        else:
-            assert "Block(...) in the unit blocks.1 was called directly" in unit, unit
-        assert unchanged and diff < TOL, (unchanged, diff)
+    # The direct calls come between a step and an in-place edit: had they gathered or
+    # disarmed the edit detection (weight_edits.py), the edit would be lost and the
+    # second step would differ from DDP. functional_call comes after the edit here; the
+    # test below puts the edit after it.
+    order = ["module", "unit", "edit", "functional_call"]
+    for records, diff in pool2.run(refusal_worker, strategy=strategy, order=order):
+        _check_direct_calls(strategy, records)
+        _check_functional_call(records)
+        record = records["functional_call"]
+        assert record["collectives"] == {} and record["control"] == {} and record["changed"] == [], record
+        assert diff < TOL, diff
+
+
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads", "optim_grads_params"])  # no_shard: the test above
+def test_functional_call_on_other_tensors_is_refused_before_any_collective(pool2, strategy):
+    """The refusal runs first in the wrapper's forward (param_swap.check_swappable): before
+    it ran after the weight-edit refresh (ZeRO-1/2: a control all-reduce that disarmed the
+    edit detection) and the root pre-forward (ZeRO-3: gathers left ready), and an in-place
+    edit made after the refused call never reached training (1.6e-2 from DDP)."""
+    for records, diff in pool2.run(refusal_worker, strategy=strategy, order=["functional_call", "edit"]):
+        _check_functional_call(records)
+        record = records["functional_call"]
+        assert record["collectives"] == {} and record["control"] == {}, record
+        assert record["changed"] == [], record
+        assert diff < TOL, diff  # the edit after the refused call reaches training, as under DDP
