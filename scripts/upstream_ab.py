@@ -703,6 +703,8 @@ def main() -> None:
     parser.add_argument("--no-checkpoint", dest="checkpoint", action="store_false", help="skip the DCP section")
     parser.add_argument("--world", type=int, default=1, help="ranks per side (> 1: upstream_ab_patterns.py, cpu)")
     parser.add_argument("--patterns", help="comma-separated user patterns (upstream_ab_patterns.PATTERNS)")
+    parser.add_argument("--resume-from", type=Path, help="--world > 1: also resume the checkpoints of this earlier "
+                        "run's --out (another world size: DCP reshards)")
     parser.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
     parser.add_argument("--pkg-root", help=argparse.SUPPRESS)
     parser.add_argument("--cpu-shim", action="store_true", help=argparse.SUPPRESS)
@@ -725,7 +727,8 @@ def main() -> None:
 
         record = upstream_ab_patterns.run_multi(args.upstream_wheel, Path(args.out), world=args.world,
                                                 patterns=args.patterns or "plain", self_check=args.self_check,
-                                                strategies=args.strategies, precisions=args.precisions)
+                                                strategies=args.strategies, precisions=args.precisions,
+                                                checkpoint=args.checkpoint, resume_from=args.resume_from)
     else:
         record = run_ab(args.upstream_wheel, Path(args.out), args.device, self_check=args.self_check,
                         strategies=args.strategies, precisions=args.precisions, checkpoint=args.checkpoint)

@@ -37,6 +37,17 @@ reference on its own (``ours_exact``), whatever upstream does. A row that fails 
 whose number is wrong by that reference, and is listed in ``findings`` with the
 distances of upstream to each reference loop (the primed one, and the primed one
 with gradients summed over the ranks, which upstream's HFSDP was seen to equal).
+Checkpoints (``checkpoint=True``, the default; ``--no-checkpoint`` skips them): in
+the fp32 ``plain`` and ``hsdp`` cases each side also saves at step 3 with the README's
+DCP recipe. A second group of N ranks per side (the "resume" phase) then loads each
+side's checkpoint, its own as the control, into a model wrapped from another seed
+(``model.load_state_dict(strict=False)``, ``optimizer.load_state_dict``), trains steps
+4-5 and must equal the saver's uninterrupted run: weights, every optimizer-state entry
+(step count and moments) and losses, fp32 within 1e-6. ``--resume-from DIR`` also
+loads the checkpoints of an earlier run at another world size (DCP reshards by global
+offsets). A row that differs is compared with the checkpoint read whole and continued
+by a plain AdamW loop (gradients averaged, and in HFSDP also summed): equal to it, the
+load took everything and only the continuing package's arithmetic differs.
 Rank 0's optimizer.state_dict() differs in which parameters it lists (upstream leaves
 out a parameter whose rank-0 shard is empty, and the two packages cut the buffers at
 different offsets); the state_dict rows accept exactly that and nothing else.
@@ -45,7 +56,9 @@ different offsets); the state_dict rows accept exactly that and nothing else.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -78,8 +91,8 @@ class RankScript(ab.UserScript):
         return dict(device_mesh=mesh, dp_shard_dim="fsdp", dp_outer_dim="outer", tp_dim="tp",
                     hybrid_fsdp_group=dist.group.WORLD, outer_dp_sharding_strategy=outer)
 
-    def wrap_pattern(self, pattern: str, strategy: str, precision: str, outer: int = 0):
-        module = self.build(precision)
+    def wrap_pattern(self, pattern: str, strategy: str, precision: str, outer: int = 0, seed: int = 0):
+        module = self.build(precision, seed)
         kwargs = dict(fsdp_unit_modules=[self.Block], zero_dp_strategy=ab.STRATEGIES.index(strategy),
                       device=self.device, **self.policy_kwargs(precision), **self.mesh_kwargs(pattern, outer))
         if pattern == "accum_deferred":
@@ -93,7 +106,7 @@ class RankScript(ab.UserScript):
         rows = GLOBAL_ROWS // self.world
         return tensor[self.rank * rows:(self.rank + 1) * rows].to(self.device)
 
-    def train_pattern(self, model, optimizer, pattern: str, dtype) -> list[float]:
+    def train_pattern(self, model, optimizer, pattern: str, dtype, steps: range = range(ab.STEPS)) -> list[float]:
         """Per step the global-batch loss (the mean of the ranks' local losses)."""
         import contextlib
 
@@ -101,7 +114,7 @@ class RankScript(ab.UserScript):
         import torch.distributed as dist
 
         losses = []
-        for x, y in self.data:
+        for x, y in (self.data[i] for i in steps):
             x, y = self.local(x), self.local(y)
             optimizer.zero_grad()
             if pattern.startswith("accum"):
@@ -205,6 +218,46 @@ def cases(patterns: list[str], strategies: list[str], precisions: list[str], wor
     return out
 
 
+def checkpointed(pattern: str, precision: str) -> bool:
+    """The cases whose step-SAVE_AT checkpoint the other side resumes: fp32, plain and HSDP."""
+    return precision == "fp32" and pattern in ("plain", "hsdp")
+
+
+def ckpt_dirname(case: str) -> str:
+    return case.replace("/", "_").replace(":", "_")
+
+
+def resume_phase(script: RankScript, todo: list, sources: list, side: str, here: Path, record: dict) -> None:
+    """Per checkpointed case and per source (saver side, checkpoint folder, tag, the
+    cases the saver ran): a model
+    wrapped from another seed (the load must replace every weight), the README's load
+    recipe, steps SAVE_AT+1..STEPS, and the gathered final state."""
+    import torch.distributed as dist
+
+    j = 0
+    for name, pattern, strategy, precision, outer in todo:
+        if not checkpointed(pattern, precision):
+            continue
+        for saver, root, tag, saved_cases in sources:
+            if name not in saved_cases:  # another world size's run: HSDP exists at world 4 only
+                continue
+            folder = Path(root) / ckpt_dirname(name)
+            j += 1
+
+            def run(folder=folder, j=j):
+                if not (folder / ".metadata").exists():  # the same answer on every rank: no collective is left open
+                    return dict(error=f"no checkpoint at {folder} (the saver's run of this case failed)")
+                model, optimizer = script.wrap_pattern(pattern, strategy, precision, outer, seed=7)
+                script.load(model, optimizer, folder)
+                losses = script.train_pattern(model, optimizer, pattern, script.torch.float32,
+                                              range(ab.SAVE_AT, ab.STEPS))
+                return dict(losses=losses, checkpoint=str(folder),
+                            **gathered_snapshot(script, model, optimizer, here / f"resume{j}"))
+
+            record["resume"][f"{side}<-{saver}{tag}/{name}"] = ab._guarded(run)
+            dist.barrier()
+
+
 def rank_main(args) -> None:
     side, rank, world, out = args.side, args.rank, args.world, Path(args.out)
     here = out / side
@@ -215,19 +268,32 @@ def rank_main(args) -> None:
     import torch
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{here / 'pg_store'}", rank=rank, world_size=world,
+    dist.init_process_group("gloo", init_method=f"file://{here / ('pg_store_' + args.phase)}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     script = RankScript(mf, torch.device("cpu"), rank, world)
     record = dict(side=side, package=str(Path(mf.__file__).parent), version=getattr(mf, "__version__", None),
                   torch=torch.__version__, runs={}, resume={}, timings={}, cpu_shim=shimmed)
     start = time.perf_counter()
     todo = cases(args.patterns.split(","), args.strategies.split(","), args.precisions.split(","), world)
+    if args.phase == "resume":
+        resume_phase(script, todo, json.loads(args.sources), side, here, record)
+        record["timings"]["resume"] = round(time.perf_counter() - start, 2)
+        if rank == 0:
+            torch.save(record, here / "resume.pt")
+        dist.destroy_process_group()
+        return
     for i, (name, pattern, strategy, precision, outer) in enumerate(todo):
         dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+        ckpt = here / "ckpt" / ckpt_dirname(name) if args.checkpoint and checkpointed(pattern, precision) else None
 
         def run():
             model, optimizer = script.wrap_pattern(pattern, strategy, precision, outer)
-            losses = script.train_pattern(model, optimizer, pattern, dtype)
+            if ckpt is None:
+                losses = script.train_pattern(model, optimizer, pattern, dtype)
+            else:  # the README's DCP recipe at step SAVE_AT, then on to the end, uninterrupted
+                losses = script.train_pattern(model, optimizer, pattern, dtype, range(ab.SAVE_AT))
+                script.save(model, optimizer, ckpt)
+                losses += script.train_pattern(model, optimizer, pattern, dtype, range(ab.SAVE_AT, ab.STEPS))
             return dict(losses=losses, **gathered_snapshot(script, model, optimizer, here / f"case{i}"))
 
         record["runs"][name] = ab._guarded(run)
@@ -245,24 +311,28 @@ def rank_main(args) -> None:
     dist.destroy_process_group()
 
 
-def start_side(side: str, root: Path, out: Path, world: int, opts: list[str], shim: bool, fallback) -> list:
+def start_side(side: str, root: Path, out: Path, world: int, opts: list[str], shim: bool, fallback,
+               phase: str = "train") -> list:
     """One side's N ranks, started together: [(process, log file)]."""
     here = out / side
     here.mkdir(parents=True, exist_ok=True)
-    for stale in ["pg_store", "result.pt"]:
+    for stale in [f"pg_store_{phase}", "result.pt" if phase == "train" else "resume.pt"]:
         (here / stale).unlink(missing_ok=True)
+    if phase == "train":
+        shutil.rmtree(here / "ckpt", ignore_errors=True)  # a stale checkpoint would stand in for a failed save
     procs = []
     for rank in range(world):
-        log = open(here / f"log_rank{rank}.txt", "w")
+        log = open(here / f"log_{phase}_rank{rank}.txt", "w")
         cmd = [sys.executable, str(Path(__file__).resolve()), "--side", side, "--rank", str(rank), "--world",
-               str(world), "--pkg-root", str(root), "--out", str(out), *opts, *(["--cpu-shim"] if shim else []),
+               str(world), "--pkg-root", str(root), "--out", str(out), "--phase", phase, *opts,
+               *(["--cpu-shim"] if shim else []),
                *(["--fallback-path", str(fallback)] if fallback else [])]
         env = dict(os.environ, PYTHONPATH="", OMP_NUM_THREADS="1")  # N ranks share a few cores
         procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(out)), log))
     return procs
 
 
-def wait_side(side: str, procs: list, out: Path, deadline: float) -> tuple:
+def wait_side(side: str, procs: list, out: Path, deadline: float, phase: str = "train") -> tuple:
     """(returncode, log tail of the first failed rank); a rank past the deadline is killed."""
     codes = []
     for proc, log in procs:
@@ -273,7 +343,7 @@ def wait_side(side: str, procs: list, out: Path, deadline: float) -> tuple:
             codes.append(proc.wait())
         log.close()
     bad = [r for r, c in enumerate(codes) if c != 0]
-    return (0, "") if not bad else (codes[bad[0]], (out / side / f"log_rank{bad[0]}.txt").read_text()[-3000:])
+    return (0, "") if not bad else (codes[bad[0]], (out / side / f"log_{phase}_rank{bad[0]}.txt").read_text()[-3000:])
 
 
 def explain_empty_shard_state(results: dict, record: dict) -> None:
@@ -357,12 +427,133 @@ def classify(record: dict, results: dict) -> None:
                                           for r in record["sections"][sec]["rows"])
 
 
+def continuation(script, folder: Path, scale: float) -> dict:
+    """The checkpoint at ``folder`` read whole and continued by a plain one-process AdamW
+    loop for steps SAVE_AT+1..STEPS on the global batch, each gradient times ``scale``
+    (``world``: summed over the ranks, upstream's HFSDP arithmetic). A loader equal to it
+    read every weight and moment and the step count; only its arithmetic is left."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    whole_path = folder.parent / f"{folder.name}.whole.pt"
+    dcp_to_torch_save(str(folder), str(whole_path))
+    whole = torch.load(whole_path, weights_only=False)
+    module = script.build("fp32")
+    module.load_state_dict({k.removeprefix("module."): v for k, v in whole["model"].items()})  # strict: all of them
+    optimizer = script.optimizer(module.parameters())
+    state = optimizer.state_dict()
+    # Optimizer index i is the i-th parameter of the module (it holds no buffers), on both sides.
+    state["state"] = {int(i): dict(st) for i, st in whole["optimizer"]["state"].items()}
+    optimizer.load_state_dict(state)
+    losses = []
+    for x, y in script.data[ab.SAVE_AT:ab.STEPS]:
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(module(x), y)
+        loss.backward()
+        for p in module.parameters():
+            p.grad.mul_(scale)
+        optimizer.step()
+        losses.append(loss.item())
+    return dict(losses=losses, model={k: v.detach().clone() for k, v in module.state_dict().items()},
+                optim=_state_only(_flatten_any(optimizer.state_dict())))
+
+
+def _state_only(optim: dict) -> dict:
+    return {k: v for k, v in optim.items() if k.startswith("state.")}
+
+
+def _distances(resumed: dict, target: dict) -> dict:
+    """Weights, optimizer state (all of it, or its per-parameter part against a
+    continuation) and the losses of steps SAVE_AT+1..STEPS."""
+    w, w_only = ab.max_abs_diff(resumed["model"], target["model"])
+    optim = resumed["optim"] if any(not k.startswith("state.") for k in target["optim"]) else _state_only(resumed["optim"])
+    o, o_only = ab.max_abs_diff(optim, target["optim"], strip=False)
+    losses = target["losses"][-len(resumed["losses"]):]
+    l_diff = max(ab._not_nan(abs(a - b)) for a, b in zip(resumed["losses"], losses))
+    # Two empty dicts differ by 0.0: count what was compared, and require some of each.
+    counts = dict(weights=len(resumed["model"]), optim_state=len(_state_only(optim)), losses=len(resumed["losses"]))
+    ok = (ab._ok(w, w_only, ab.FP32_TOL) and ab._ok(o, o_only, ab.FP32_TOL) and l_diff <= ab.FP32_TOL
+          and min(counts.values()) > 0)
+    return dict(weights=w, optim_state=o, losses=l_diff, keys_on_one_side=(w_only + o_only)[:20], compared=counts,
+                equal=ok)
+
+
+def checkpoint_section(resumes: dict, savers: dict, world: int) -> dict:
+    """One row per (loader, saver, case): the loader's steps SAVE_AT+1..STEPS from the
+    saver's step-SAVE_AT checkpoint must equal the saver's uninterrupted run (fp32 within
+    1e-6: weights, every optimizer-state entry, losses). ``savers[tag]`` holds, per side,
+    the saving run's record and its world size; tag "" is this run."""
+    import torch
+
+    script = ab.UserScript(None, torch.device("cpu"))  # build/optimizer/data only: no package is used
+    rows = []
+    for loader in ab.SIDES:
+        for key, resumed in sorted(resumes[loader]["resume"].items()):
+            saver_tag, case = key.split("<-")[1].split("/", 1)
+            saver, tag = saver_tag.split("@")[0], saver_tag[len(saver_tag.split("@")[0]):]
+            saved, saved_world = savers[tag][saver]
+            row = dict(case=key, loader=loader, saver=saver, saved_at_world=saved_world, loaded_at_world=world,
+                       tolerance=ab.FP32_TOL, criterion="equal to the saver's uninterrupted run")
+            straight = saved["runs"].get(case, {})
+            own = resumes[loader].get("own_runs", {}).get(case, {})
+            if "model" not in straight:
+                row.update(passed=False, error=resumed.get("error"), saver_error=straight.get("error"),
+                           verdict=f"no checkpoint: {saver}'s own run of this case failed before saving")
+            elif "model" not in resumed:
+                first_line = (resumed.get("error") or "").splitlines()[:1]
+                same = "model" not in own and (own.get("error") or "").splitlines()[:1] == first_line
+                row.update(passed=False, error=resumed.get("error"), traceback=resumed.get("traceback"),
+                           verdict=f"{loader} cannot run this case at all (its own run failed with the same error)"
+                           if same else f"{loader} failed to resume {saver}'s checkpoint")
+            if "model" not in straight or "model" not in resumed:
+                rows.append(row)
+                continue
+            row["vs_saver_uninterrupted"] = _distances(resumed, straight)
+            if "model" in own and (tag or loader != saver):
+                row["vs_loader_uninterrupted"] = _distances(resumed, own)
+            row["passed"] = row["vs_saver_uninterrupted"]["equal"]
+            row["verdict"] = "continues the saver's run" if row["passed"] else "differs from the saver's run"
+            if not row["passed"]:  # triage: did the load take everything, and whose arithmetic is left?
+                scales = {"averaged": 1.0, **({"summed": float(world)} if "outer1" in case else {})}
+                for name, scale in scales.items():
+                    try:
+                        ref = continuation(script, Path(resumed["checkpoint"]), scale)
+                        row[f"vs_continuation_{name}"] = _distances(resumed, ref)
+                        row[f"saver_run_vs_continuation_{name}"] = _distances(
+                            dict(straight, losses=straight["losses"][ab.SAVE_AT:]), ref)
+                    except Exception as exc:
+                        row[f"vs_continuation_{name}"] = dict(error=f"{type(exc).__name__}: {exc}")
+                exact = [n for n in scales if row.get(f"vs_continuation_{n}", {}).get("equal")]
+                saver_way = [n for n in scales if row.get(f"saver_run_vs_continuation_{n}", {}).get("equal")]
+                if exact:
+                    row["verdict"] = (f"the load is exact: {loader} equals the checkpoint continued by a plain AdamW "
+                                      f"loop with {exact[0]} gradients, the saver's own run "
+                                      + (f"the same loop with {saver_way[0]} gradients" if saver_way else
+                                         "neither loop"))
+            rows.append(row)
+    return dict(rows=rows, passed=bool(rows) and all(r["passed"] for r in rows)) if rows else \
+        dict(rows=[], passed=None, skipped="no fp32 plain or hsdp case requested")
+
+
+def _run_phase(phase: str, roots: dict, out: Path, world: int, opts: list[str], self_check: bool, fallback,
+               deadline: float) -> dict:
+    """Both sides' ranks for one phase; {side: (returncode, log tail)}."""
+    status, running = {}, {}
+    for side in ab.SIDES:
+        running[side] = start_side(side, roots[side], out, world, opts, side == "upstream" and not self_check,
+                                   fallback if side == "upstream" else None, phase)
+        if world > 2:  # 2N ranks at once would crowd a small machine; at N <= 2 both sides overlap
+            status[side] = wait_side(side, running.pop(side), out, deadline, phase)
+    status.update({side: wait_side(side, procs, out, deadline, phase) for side, procs in running.items()})
+    return status
+
+
 def run_multi(upstream_wheel, out: Path, *, world: int, patterns: str, self_check: bool = False,
               strategies: str = ",".join(ab.STRATEGIES), precisions: str = ",".join(ab.PRECISIONS),
-              timeout: float = 600.0) -> dict:
-    """Both sides at world ``world`` for ``patterns``; the record (``out/upstream_ab.json``)."""
-    import json
-
+              checkpoint: bool = True, resume_from: Path | None = None, timeout: float = 600.0) -> dict:
+    """Both sides at world ``world`` for ``patterns``; the record (``out/upstream_ab.json``).
+    With ``checkpoint`` each side then resumes both sides' step-SAVE_AT checkpoints, and
+    with ``resume_from`` (another run's ``--out``, any world size) those of that run too."""
     start = time.perf_counter()
     out = Path(out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -377,13 +568,9 @@ def run_multi(upstream_wheel, out: Path, *, world: int, patterns: str, self_chec
         deps = wheel.parent / "deps"
         fallback = deps if deps.is_dir() else None
     opts = ["--patterns", patterns, "--strategies", strategies, "--precisions", precisions]
-    deadline, status, running = time.monotonic() + timeout, {}, {}
-    for side in ab.SIDES:
-        running[side] = start_side(side, roots[side], out, world, opts, side == "upstream" and not self_check,
-                                   fallback if side == "upstream" else None)
-        if world > 2:  # 2N ranks at once would crowd a small machine; at N <= 2 both sides overlap
-            status[side] = wait_side(side, running.pop(side), out, deadline)
-    status.update({side: wait_side(side, procs, out, deadline) for side, procs in running.items()})
+    opts += ["--checkpoint"] if checkpoint else []
+    deadline = time.monotonic() + timeout
+    status = _run_phase("train", roots, out, world, opts, self_check, fallback, deadline)
     record = dict(self_check=self_check, device="cpu", world=world, patterns=patterns.split(","),
                   upstream_wheel=str(upstream_wheel) if upstream_wheel else None,
                   workers={s: dict(returncode=rc, package=str(roots[s])) for s, (rc, _) in status.items()})
@@ -402,11 +589,41 @@ def run_multi(upstream_wheel, out: Path, *, world: int, patterns: str, self_chec
         record["sections"] = ab.compare(results)
         explain_empty_shard_state(results, record)
         classify(record, results)
+        todo = cases(patterns.split(","), strategies.split(","), precisions.split(","), world)
+        if checkpoint and any(checkpointed(c[1], c[3]) for c in todo):
+            record["sections"]["checkpoint"] = resume_all(roots, out, world, opts, self_check, fallback, deadline,
+                                                          results, resume_from)
         verdicts = [sec["passed"] for sec in record["sections"].values() if sec["passed"] is not None]
         record["passed"] = bool(verdicts) and all(verdicts)
     record["seconds"] = round(time.perf_counter() - start, 1)
     (out / "upstream_ab.json").write_text(json.dumps(record, indent=1, default=str))
     return record
+
+
+def resume_all(roots, out: Path, world: int, opts: list[str], self_check: bool, fallback, deadline: float,
+               results: dict, resume_from: Path | None) -> dict:
+    """The resume phase (each side loads each checkpoint) and its checkpoint section."""
+    import torch
+
+    savers = {"": {s: (results[s], world) for s in ab.SIDES}}
+    sources = [[s, str(out / s / "ckpt"), "", sorted(results[s]["runs"])] for s in ab.SIDES]
+    if resume_from is not None:
+        other = Path(resume_from).resolve()
+        other_world = json.loads((other / "upstream_ab.json").read_text())["world"]
+        tag = f"@w{other_world}"
+        savers[tag] = {s: (torch.load(other / s / "result.pt", weights_only=False), other_world) for s in ab.SIDES}
+        sources += [[s, str(other / s / "ckpt"), tag, sorted(savers[tag][s][0]["runs"])] for s in ab.SIDES]
+    status = _run_phase("resume", roots, out, world, opts + ["--sources", json.dumps(sources)], self_check,
+                        fallback, deadline)
+    failed = {s: tail for s, (rc, tail) in status.items() if rc != 0}
+    if failed:
+        return dict(rows=[], passed=False, error="a rank failed in the resume phase", logs=failed)
+    resumes = {s: torch.load(out / s / "resume.pt", weights_only=False) for s in ab.SIDES}
+    for s in ab.SIDES:
+        resumes[s]["own_runs"] = results[s]["runs"]
+    section = checkpoint_section(resumes, savers, world)
+    section["seconds"] = {s: resumes[s]["timings"] for s in ab.SIDES}
+    return section
 
 
 def main() -> None:
@@ -421,6 +638,9 @@ def main() -> None:
     parser.add_argument("--precisions", required=True)
     parser.add_argument("--cpu-shim", action="store_true")
     parser.add_argument("--fallback-path")
+    parser.add_argument("--checkpoint", action="store_true")
+    parser.add_argument("--phase", choices=("train", "resume"), default="train")
+    parser.add_argument("--sources", help="resume phase: JSON [[saver side, checkpoint root, tag], ...]")
     rank_main(parser.parse_args())
 
 

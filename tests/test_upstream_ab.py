@@ -59,6 +59,22 @@ def test_self_check_at_world_two_accumulates_like_one_process(tmp_path):
     assert record["sections"]["state_dict"]["rows"][0]["passed"] is True
 
 
+def test_self_check_at_world_two_resumes_each_sides_checkpoint(tmp_path):
+    # Two ranks per side save at step 3 (DCP); each side then loads both sides'
+    # checkpoints into a model from another seed and must continue the saver's run.
+    patterns = _load("upstream_ab_patterns", ROOT / "scripts" / "upstream_ab_patterns.py")
+    record = patterns.run_multi(None, tmp_path, world=2, patterns="plain", self_check=True,
+                                strategies="optim_grads_params", precisions="fp32", timeout=120)
+    section = record["sections"]["checkpoint"]
+    assert section["passed"] is True, section
+    assert sorted(r["case"] for r in section["rows"]) == sorted(
+        f"{a}<-{b}/fp32/optim_grads_params" for a in ("ours", "upstream") for b in ("ours", "upstream"))
+    for row in section["rows"]:
+        assert row["saved_at_world"] == row["loaded_at_world"] == 2
+        saver = row["vs_saver_uninterrupted"]
+        assert saver["weights"] == saver["optim_state"] == saver["losses"] == 0.0 and not saver["keys_on_one_side"]
+
+
 def _side(weight: torch.Tensor, step: float) -> dict:
     meta = {"module.w": dict(type="Tensor", shape=[2], dtype="torch.float32")}
     run = dict(losses=[1.0, 0.5], model={"module.w": weight}, model_meta=meta,
