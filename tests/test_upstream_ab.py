@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,6 +61,9 @@ def test_self_check_at_world_two_accumulates_like_one_process(tmp_path):
     assert record["sections"]["state_dict"]["rows"][0]["passed"] is True
 
 
+@pytest.mark.skipif(os.environ.get("MFSDP_AB_LONG") != "1", reason=(
+    "8 processes (12 s on 2 cores); the checkpoint engine is covered elsewhere and this "
+    "is the script's resume phase: MFSDP_AB_LONG=1 runs it"))
 def test_self_check_at_world_two_resumes_each_sides_checkpoint(tmp_path):
     # Two ranks per side save at step 3 (DCP); each side then loads both sides'
     # checkpoints into a model from another seed and must continue the saver's run.
