@@ -560,10 +560,11 @@ def _ok(diff, only_one, tol: float) -> bool:
 
 
 def _explained_by_priming(row: dict, tol: float) -> bool:
-    """Whether ours equals the fp32-main-weights AdamW loop and upstream the primed one."""
-    master, primed = row.get("vs_master_adamw", {}), row.get("vs_primed_adamw", {})
-    ours, upstream = master.get("ours"), primed.get("upstream")
-    return ours is not None and upstream is not None and ours <= tol and upstream <= tol
+    """Whether ours equals the fp32-main-weights AdamW loop and upstream the primed one, in
+    the final weights and in every step's loss."""
+    diffs = [row.get("vs_master_adamw", {}).get("ours"), row.get("vs_primed_adamw", {}).get("upstream"),
+             row.get("vs_master_losses", {}).get("ours"), row.get("vs_primed_losses", {}).get("upstream")]
+    return all(d is not None and d <= tol for d in diffs)
 
 
 def compare(results: dict) -> dict:
@@ -596,6 +597,8 @@ def compare(results: dict) -> dict:
             if "model" in result:
                 row[f"vs_{ref}_adamw"] = {s: max_abs_diff(r["model"], result["model"])[0]
                                           for s, r in (("upstream", u), ("ours", o))}
+                row[f"vs_{ref}_losses"] = {s: max(_not_nan(abs(a - b)) for a, b in zip(r["losses"], result["losses"]))
+                                           for s, r in (("upstream", u), ("ours", o))}
         row["passed"] = _ok(w_diff, w_only, tol) and _ok(s_diff, s_only, tol) and l_diff <= tol
         row["verdict"] = "equal" if row["passed"] else "differs"
         if not row["passed"] and _explained_by_priming(row, tol):

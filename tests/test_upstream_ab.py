@@ -107,15 +107,19 @@ def test_only_upstreams_priming_step_is_an_explained_difference():
     ab = _load("upstream_ab", SCRIPT)
     plain, primed = torch.ones(2), torch.full((2,), 0.99)
 
-    def sides(upstream_weight):
-        ours = _side(plain, 5)
-        ours.update({"master/fp32": dict(model={"module.w": plain}), "primed/fp32": dict(model={"module.w": primed})})
+    def sides(upstream_weight, primed_losses=(1.0, 0.5)):
+        ours = _side(plain, 5)  # its losses: 1.0, 0.5
+        ours.update({"master/fp32": dict(model={"module.w": plain}, losses=[1.0, 0.5]),
+                     "primed/fp32": dict(model={"module.w": primed}, losses=list(primed_losses))})
         return {"upstream": _side(upstream_weight, 5), "ours": ours}
 
     explained = ab.compare(sides(primed))["fp32"]
     assert explained["passed"] is True and explained["rows"][0]["verdict"].startswith("upstream's priming step")
     unexplained = ab.compare(sides(torch.full((2,), 0.98)))["fp32"]
     assert unexplained["passed"] is False and unexplained["rows"][0]["verdict"] == "differs"
+    # Final weights that match the primed loop are not enough: every step's loss must too.
+    other_path = ab.compare(sides(primed, primed_losses=(1.0, 0.6)))["fp32"]
+    assert other_path["passed"] is False and other_path["rows"][0]["verdict"] == "differs"
 
 
 def test_gpu_check_skips_the_upstream_section_without_a_wheel(tmp_path):
