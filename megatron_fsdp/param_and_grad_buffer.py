@@ -24,8 +24,10 @@ module only while it runs (param_swap.py [Note: registered parameters]).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
-from typing import Iterator, Optional, Sequence
+import types
+from typing import Iterator, Mapping, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -424,9 +426,12 @@ class ParamAndGradBuffer:
     def parameter_groups(self) -> list[ParameterGroup]:
         return self.groups
 
-    @property
-    def param_to_param_group(self) -> dict[nn.Parameter, int]:
-        return {p: g.index for p, (g, _) in (*self._slot.items(), *self._dist_slot.items())}
+    @functools.cached_property
+    def param_to_param_group(self) -> Mapping[nn.Parameter, int]:
+        # Built once (the groups and their parameters are fixed at construction), so a
+        # lookup per parameter stays linear; read-only, so a write cannot silently vanish.
+        return types.MappingProxyType(
+            {p: g.index for p, (g, _) in (*self._slot.items(), *self._dist_slot.items())})
 
     def groups_of_unit(self, unit: Optional[int]) -> list[ParameterGroup]:
         return [g for g in self.groups if g.unit == unit]

@@ -106,7 +106,7 @@ def buffer_names_worker(rank, world, *, params_dtype, grads_dtype):
     groups = buffer.parameter_groups
     main = groups[0].main_weight_buffer
     index = buffer.param_to_param_group
-    in_own_group = all(
+    in_own_group = buffer.param_to_param_group is index and all(  # built once: a lookup per parameter is linear
         any(p is q for q in (*groups[index[p]].params, *groups[index[p]].dist_params)) for p in model.parameters()
     )
     optimizer = fully_shard_optimizer(_adam(model.parameters()))
