@@ -8,7 +8,7 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["megatron_fsdp", "megatron_fsdp.*"]),
     # The launcher's argument table (Megatron-LM's flags and what the launcher does with them).
-    package_data={"megatron_fsdp.training": ["flag_data/*.csv", "flag_data/*.table"]},
+    package_data={"megatron_fsdp.training.args": ["flag_data/*.csv", "flag_data/*.table"]},
     python_requires=">=3.10",
     install_requires=["torch>=2.6"],
     extras_require={

@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from . import device as device_mod
+from .comm import device as device_mod
 from .config import UNIMPLEMENTED_OPTIONS, DistributedDataParallelConfig, check_unimplemented
-from .distributed_index import DEFAULT_DP_SHARD_DIM, DEFAULT_TP_DIM, FSDPDistributedIndex, build_default_mesh
+from .comm.distributed_index import DEFAULT_DP_SHARD_DIM, DEFAULT_TP_DIM, FSDPDistributedIndex, build_default_mesh
 from .enums import ShardingStrategy
 from .megatron_fsdp import MegatronFSDP, check_policy
 from .optimizer import bind_optimizer, check_rebuildable, rebuild_optimizer

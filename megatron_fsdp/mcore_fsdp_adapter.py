@@ -31,13 +31,13 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from . import device as device_mod
-from . import megatron_core_compat as mcore
+from .comm import device as device_mod
+from .compat import megatron_core as mcore
 from .config import DistributedDataParallelConfig
-from .distributed_index import FSDPDistributedIndex, build_default_mesh
+from .comm.distributed_index import FSDPDistributedIndex, build_default_mesh
 from .enums import ShardingStrategy
 from .megatron_fsdp import MegatronFSDP
-from .state_dict import get_full_state_dict, sharded_state_dict
+from .state.model_state_dict import get_full_state_dict, sharded_state_dict
 
 logger = logging.getLogger(__name__)
 

@@ -12,26 +12,27 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import collectives
-from . import device as device_mod
-from . import streams, te_compat
-from . import state_dict as state_dict_mod
-from .all_gather_pipeline import AllGatherPipeline
+from .comm import collectives
+from .comm import device as device_mod
+from .comm import streams
+from .compat import transformer_engine as te_compat
+from .state import model_state_dict as state_dict_mod
+from .runtime.all_gather_pipeline import AllGatherPipeline
 from .config import DistributedDataParallelConfig, check_unimplemented
-from .distributed_index import FSDPDistributedIndex, build_default_mesh
+from .comm.distributed_index import FSDPDistributedIndex, build_default_mesh
 from .enums import ShardingStrategy
-from .grad_reduce_pipeline import GradReducePipeline, GradReduceOptions
-from .hooks import FSDPUnit, HookRuntime, guard_hooks_under_compile
-from .marks import is_fsdp_no_shard
-from .meta_init import has_meta_tensors, materialize_meta_module
+from .runtime.grad_reduce_pipeline import GradReducePipeline, GradReduceOptions
+from .runtime.hooks import FSDPUnit, HookRuntime, guard_hooks_under_compile
+from .param_marks import is_fsdp_no_shard
+from .runtime.meta_init import has_meta_tensors, materialize_meta_module
 from .mixed_precision import MixedPrecisionPolicy
-from .module_checks import check_module
-from .module_guards import RefusesCopies, guard_module, refuse_moves, release_module
-from .owners import COMPUTE_OWNERS, OWNERS, WRAPPED
-from .param_and_grad_buffer import ParamAndGradBuffer
-from .param_swap import RegisteredParams
-from .units import NO_SHARD_UNIT_SIZE, UnitSpec, merge_units, slot_plan, split_into_parameter_owners
-from .weight_edits import WeightEdits
+from .runtime.wrap_checks import check_module
+from .runtime.wrapped_model_guards import RefusesCopies, guard_module, refuse_moves, release_module
+from .runtime.owners import COMPUTE_OWNERS, OWNERS, WRAPPED
+from .buffers.param_and_grad_buffer import ParamAndGradBuffer
+from .runtime.registered_params import RegisteredParams
+from .buffers.units import NO_SHARD_UNIT_SIZE, UnitSpec, merge_units, slot_plan, split_into_parameter_owners
+from .runtime.weight_edits import WeightEdits
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +98,7 @@ class MegatronFSDP(RefusesCopies, nn.Module):
     *distributed* parameters (sharded main weights, DTensors when sharded), which
     is what the optimizer updates. Between steps ``self.module`` has the same
     parameters registered; its compute parameters only while it runs
-    (param_swap.py [Note: registered parameters]).
+    (registered_params.py [Note: registered parameters]).
     """
 
     def __init__(
@@ -182,7 +183,7 @@ class MegatronFSDP(RefusesCopies, nn.Module):
         guard_module(module)  # copies, pickles and moves of the wrapped module raise from here on
 
     def _apply(self, fn, recurse: bool = True) -> "MegatronFSDP":
-        # model.to() / .cuda() / .half(): module_guards.py.
+        # model.to() / .cuda() / .half(): wrapped_model_guards.py.
         return refuse_moves(self, fn)
 
     # -- construction helpers -----------------------------------------------------
@@ -325,7 +326,7 @@ class MegatronFSDP(RefusesCopies, nn.Module):
         """The wrapper's bookkeeping, run eagerly under torch.compile (hooks.py [Note: hooks
         under torch.compile]): traced, it guarded on every parameter's id and recompiled
         for every model."""
-        self._registered.check_swappable()  # refusals before any collective (param_swap.py)
+        self._registered.check_swappable()  # refusals before any collective (registered_params.py)
         self._sync_requires_grad()
         self._edits.refresh()
         if self.broadcast_buffers and self._buffers_need_sync:
@@ -576,7 +577,7 @@ class MegatronFSDP(RefusesCopies, nn.Module):
 
     def check_distributed_params(self) -> None:
         """Refuse, before an optimizer step changes anything, distributed parameters
-        whose ``.data`` was assigned or that carry a post-accumulate hook (param_swap.py)."""
+        whose ``.data`` was assigned or that carry a post-accumulate hook (registered_params.py)."""
         self._registered.check_distributed()
 
     def settle_weights_for_reading(self) -> None:
@@ -660,7 +661,7 @@ class MegatronFSDP(RefusesCopies, nn.Module):
         return not (preproc and self.strategy is not ShardingStrategy.NO_SHARD)
 
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> dict:
-        """Main weights (standard DTensors where sharded, see state_dict.py),
+        """Main weights (standard DTensors where sharded, see model_state_dict.py),
         persistent buffers and modules' extra state ([Note: extra state]), keyed
         ``module.<name>`` as upstream's. Collective."""
         out = state_dict_mod.sharded_state_dict(self, prefix=prefix, keep_vars=keep_vars,

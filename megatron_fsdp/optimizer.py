@@ -31,9 +31,9 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .megatron_fsdp import MegatronFSDP
-from .owners import compute_owner_of, owner_of
-from .optimizer_state_dict import state_dict_hooks
-from .piece_dtensor import PieceDTensor, is_flat_piece, piece_dtensor
+from .runtime.owners import compute_owner_of, owner_of
+from .state.optimizer_state_dict import state_dict_hooks
+from .buffers.piece_dtensor import PieceDTensor, is_flat_piece, piece_dtensor
 
 logger = logging.getLogger(__name__)
 
@@ -276,7 +276,7 @@ def updates_elementwise(optimizer: torch.optim.Optimizer) -> bool:
     ``optimizer.megatron_fsdp_elementwise = True`` to vouch for another (faster:
     a step on DTensors dispatches every tensor through Python), or for one that
     gathers its whole-tensor part itself (the launcher's Muon: [Note: Muon on flat
-    pieces] in training/muon_optimizer.py)."""
+    pieces] in training/optim/muon_optimizer.py)."""
     vouched = getattr(optimizer, ELEMENTWISE_ATTR, None)
     if vouched is not None:
         return bool(vouched)

@@ -20,7 +20,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from .distributed_index import FSDPDistributedIndex, has_submesh
+from .comm.distributed_index import FSDPDistributedIndex, has_submesh
 
 __all__ = [
     "FSDPDistributedIndex",
@@ -215,7 +215,7 @@ def make_fsdp_dtensor(
     ``update_uneven_dtensor_chunk_meta`` tells DCP their real extents (both
     collective; uneven_dtensor.py). Megatron-core tensor-parallel parameters
     become tp DTensors first, so the result spans ``[outer,] dp_shard, tp``."""
-    from .uneven_dtensor import update_uneven_dtensor_chunk_metadata, validate_uneven_dtensor
+    from .state.uneven_dtensor import update_uneven_dtensor_chunk_metadata, validate_uneven_dtensor
 
     if not is_sharded_param and param.numel() != local_tensor.numel():
         raise ValueError(

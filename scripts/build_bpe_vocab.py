@@ -25,7 +25,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_fsdp.training.tokenizers import (  # noqa: E402
+from megatron_fsdp.training.data.tokenizers import (  # noqa: E402
     END_OF_TEXT,
     byte_alphabet,
     bytes_to_unicode,

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Regenerate ``megatron_fsdp/training/flag_data/megatron_lm_flags.csv`` from a
+"""Regenerate ``megatron_fsdp/training/args/flag_data/megatron_lm_flags.csv`` from a
 Megatron-LM checkout: every option of Megatron-LM's argument parser (name, aliases,
 destination, action, type, nargs, default, choices, argument group) plus, per flag,
 which of Megatron-LM's GPT / Llama / MoE Megatron-FSDP launch scripts, functional

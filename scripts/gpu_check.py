@@ -45,7 +45,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import megatron_fsdp as mf  # noqa: E402
-from megatron_fsdp import device as device_mod, streams  # noqa: E402
+from megatron_fsdp.comm import device as device_mod, streams  # noqa: E402
 from megatron_fsdp.models import GPT, GPTConfig, TransformerBlock  # noqa: E402
 from megatron_fsdp.models.gpt import gpt_loss  # noqa: E402
 
@@ -572,7 +572,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     device = init_group(args.device)
-    from megatron_fsdp import dtensor_route
+    from megatron_fsdp.buffers import dtensor_dispatch as dtensor_route
 
     record = dict(torch=torch.__version__, python=sys.version.split()[0], device=device_mod.describe(device),
                   dtensor_route=dtensor_route.ROUTE.value, sections={})

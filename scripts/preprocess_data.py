@@ -45,7 +45,7 @@ def _load(module: str, relpath: str):
 
 
 _indexed = _load("megatron_fsdp.training.data.indexed", "megatron_fsdp/training/data/indexed.py")
-_tokenizers = _load("megatron_fsdp.training.tokenizers", "megatron_fsdp/training/tokenizers.py")
+_tokenizers = _load("megatron_fsdp.training.data.tokenizers", "megatron_fsdp/training/data/tokenizers.py")
 _sentences = _load("megatron_fsdp.training.data.sentences", "megatron_fsdp/training/data/sentences.py")
 IndexedDatasetWriter, bin_path, idx_path, optimal_dtype = (
     _indexed.IndexedDatasetWriter, _indexed.bin_path, _indexed.idx_path, _indexed.optimal_dtype)

@@ -28,14 +28,15 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron_fsdp import device as device_mod
-from megatron_fsdp.training import checkpointing, determinism, torch_checkpoint
+from megatron_fsdp.comm import device as device_mod
+from megatron_fsdp.training.checkpoint import dcp_checkpoint as checkpointing, torch_checkpoint
+from megatron_fsdp.training import determinism
 from megatron_fsdp.models.config import MoELoadBalancing
-from megatron_fsdp.training.arg_types import DataParallelPath
-from megatron_fsdp.training.arguments import ArgumentError, parse_args
+from megatron_fsdp.training.args.arg_types import DataParallelPath
+from megatron_fsdp.training.args.arguments import ArgumentError, parse_args
 from megatron_fsdp.training.data import BatchLayout
-from megatron_fsdp.training.data_integration import build_sources
-from megatron_fsdp.training.logging_utils import (
+from megatron_fsdp.training.data.sources import build_sources
+from megatron_fsdp.training.observe.logging_utils import (
     IntervalStats,
     MetricsRecorder,
     flops_per_iteration,
@@ -45,14 +46,14 @@ from megatron_fsdp.training.logging_utils import (
     setup_logging,
     validation_ppl,
 )
-from megatron_fsdp.training import tensorboard as dashboards_mod
+from megatron_fsdp.training.observe import tensorboard as dashboards_mod
 from megatron_fsdp.training.exit_conditions import ExitConditions
-from megatron_fsdp.training.timers import Timers
-from megatron_fsdp.training.loss_scaler import LossScaler
-from megatron_fsdp.training.lr_schedule import LRSchedule, ScheduleResume
+from megatron_fsdp.training.observe.timers import Timers
+from megatron_fsdp.training.optim.loss_scaler import LossScaler
+from megatron_fsdp.training.optim.lr_schedule import LRSchedule, ScheduleResume
 from megatron_fsdp.training.model_setup import setup_model_and_optimizer
-from megatron_fsdp.training.plot import plot_loss_curve
-from megatron_fsdp.training.replica_check import check_weight_replicas
+from megatron_fsdp.training.observe.plot import plot_loss_curve
+from megatron_fsdp.training.observe.replica_check import check_weight_replicas
 from megatron_fsdp.training.training_step import StepContext, TrainState, evaluate, train_step
 
 logger = logging.getLogger("megatron_fsdp.pretrain")

@@ -53,7 +53,7 @@ def run_launcher(flags: str, world: int, *, script: Optional[ModuleType] = None,
                  device: torch.device = torch.device("cpu")) -> list[str]:
     """Parse ``flags`` for ``world`` ranks and run the launcher on this rank; returns the
     log lines it wrote (INFO and above, as rank 0 prints them under torchrun)."""
-    from megatron_fsdp.training.arguments import parse_args
+    from megatron_fsdp.training.args.arguments import parse_args
 
     args = parse_args(shlex.split(flags), world_size=world)
     root, handler = logging.getLogger(), LogLines()

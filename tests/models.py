@@ -157,7 +157,7 @@ def max_param_diff(full_state: dict, reference: nn.Module) -> float:
     return max(diffs)
 
 
-# -- units returning structured outputs (tests of outputs.py) ----------------------------------
+# -- units returning structured outputs (tests of backward_outputs.py) ----------------------------------
 @dataclasses.dataclass
 class BlockOutput:
     h: torch.Tensor

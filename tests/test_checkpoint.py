@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import megatron_fsdp as mf
-from megatron_fsdp.checkpoint import materialize_optimizer_state
+from megatron_fsdp.state.checkpoint import materialize_optimizer_state
 from models import Block, make_batches, make_model, make_optimizer, max_param_diff, train_reference, train_steps
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]

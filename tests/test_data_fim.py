@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_fsdp.training.arguments import ArgumentError, parse_args
+from megatron_fsdp.training.args.arguments import ArgumentError, parse_args
 from megatron_fsdp.training.data import build_datasets
 from megatron_fsdp.training.data.fim import (
     FimConfig,
@@ -39,7 +39,7 @@ from megatron_fsdp.training.data.fim import (
     Gpt2TextCodec,
     LoaderLayout,
 )
-from megatron_fsdp.training.tokenizers import END_OF_TEXT, GPT2BPETokenizer
+from megatron_fsdp.training.data.tokenizers import END_OF_TEXT, GPT2BPETokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 FIM_TOKENS = ["<fim_prefix>", "<fim_middle>", "<fim_suffix>", "<fim_pad>"]

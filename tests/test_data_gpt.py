@@ -34,7 +34,7 @@ from megatron_fsdp.training.data import (
 )
 from megatron_fsdp.training.data import blending, gpt_dataset
 from megatron_fsdp.training.data.builder import MegatronSampleSource
-from megatron_fsdp.training.tokenizers import build_tokenizer
+from megatron_fsdp.training.data.tokenizers import build_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = str(REPO / "data" / "corpus_text_document")

@@ -23,7 +23,7 @@ import torch
 
 from megatron_fsdp.training.data import DataPathError, IndexedDataset, IndexedDatasetWriter, data_path_problems
 from megatron_fsdp.training.data.indexed import check_prefix
-from megatron_fsdp.training.tokenizers import build_tokenizer
+from megatron_fsdp.training.data.tokenizers import build_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 BPE = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(REPO / "data/bpe/vocab.json"),

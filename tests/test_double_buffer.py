@@ -6,8 +6,8 @@ import torch
 import torch.nn as nn
 
 import megatron_fsdp as mf
-from megatron_fsdp.allocator import SlotConflictError
-from megatron_fsdp.units import UnitSpec, slot_plan
+from megatron_fsdp.buffers.allocator import SlotConflictError
+from megatron_fsdp.buffers.units import UnitSpec, slot_plan
 from models import Block, backward_microbatches, loss_fn, make_batches, make_model, make_optimizer, max_param_diff, train_reference
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]

@@ -1,4 +1,4 @@
-"""[Note: DTensor subclass routes] (dtensor_route.py): which route a torch takes, and
+"""[Note: DTensor subclass routes] (dtensor_dispatch.py): which route a torch takes, and
 the PieceDTensor / FlatDTensor guards through the torch 2.10/2.11 route, forced here
 on the installed torch (the GPU image runs torch 2.11, where it is the only route)."""
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_fsdp import dtensor_route
-from megatron_fsdp.dtensor_route import DispatchRoute, route_for
+from megatron_fsdp.buffers import dtensor_dispatch as dtensor_route
+from megatron_fsdp.buffers.dtensor_dispatch import DispatchRoute, route_for
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -62,7 +62,7 @@ def unrouted_worker(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    from megatron_fsdp.piece_dtensor import PieceDTensor, piece_dtensor
+    from megatron_fsdp.buffers.piece_dtensor import PieceDTensor, piece_dtensor
 
     mesh = init_device_mesh("cpu", (world,))
     local = torch.zeros(4)

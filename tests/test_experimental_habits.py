@@ -57,7 +57,7 @@ def test_hybrid_grads_written_after_zero_grad_are_accumulated_on(pool4, strategy
 
 
 def structured_output_worker(rank, world, *, kind):
-    """Units returning dicts, namedtuples, dataclasses (outputs.py), or an object
+    """Units returning dicts, namedtuples, dataclasses (backward_outputs.py), or an object
     hiding its tensors (refused in forward)."""
     model, inputs, reference = structured_case(kind, world)  # the same initial weights everywhere, as FSDP2 expects
     mesh, placements = make_mesh(world, "zero3"), placements_for("zero3")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import megatron_fsdp as mf
-from megatron_fsdp.distributed_data_parallel import FullyShardedDataParallel, convert_ddp_config
+from megatron_fsdp.mcore_fsdp_adapter import FullyShardedDataParallel, convert_ddp_config
 from models import (
     Block, backward_microbatches, make_batches, make_model,
     make_optimizer, max_param_diff, train_reference, train_steps,

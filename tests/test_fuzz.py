@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import megatron_fsdp as mf
-from megatron_fsdp.distributed_index import build_hybrid_mesh
+from megatron_fsdp.comm.distributed_index import build_hybrid_mesh
 from models import Block, SkipNet, loss_fn, make_batches
 
 DRAWS = int(os.environ.get("MFSDP_FUZZ_DRAWS", "30"))

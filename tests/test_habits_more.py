@@ -21,7 +21,7 @@ ranks (fp32, 1e-5 per parameter), or refused before any weight changes:
 * ``torch.func.functional_call(model, dict(model.named_parameters()), x)`` trains as
   DDP; ``functional_call`` with other tensors and direct calls of the wrapped module
   or of a unit (``model.module(x)``, ``model.module.blocks[1](h)``: under DDP a
-  replica) are refused, naming the fix (param_swap.py [Note: direct calls of the
+  replica) are refused, naming the fix (registered_params.py [Note: direct calls of the
   wrapped module]); the direct calls before any collective, with the weights, the
   optimizer state, the unit states and the buffers bit for bit unchanged, and training
   (an in-place edit included) going on exactly in every strategy. A unit called
@@ -52,7 +52,7 @@ from torch.nn.utils import parametrizations, parametrize
 from torch.utils.checkpoint import checkpoint
 
 import megatron_fsdp as mf
-from megatron_fsdp.param_swap import direct_call_message
+from megatron_fsdp.runtime.registered_params import direct_call_message
 from models import IN, OUT, Block, make_batches
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
@@ -323,7 +323,7 @@ def _check_direct_calls(strategy: str, records: dict) -> None:
     """model.module(x) and a unit called directly: refused (a unit under no_shard: see
     below) before any collective, with nothing changed."""
     module = records["module"]
-    # The wrapped module's own pre-hook (param_swap.py), installed in every strategy.
+    # The wrapped module's own pre-hook (registered_params.py), installed in every strategy.
     assert module["raised"] == ("RuntimeError", direct_call_message("Net(...), the wrapped module,")), module
     unit = records["unit"]
     if strategy == "no_shard":

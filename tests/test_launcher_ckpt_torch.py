@@ -38,8 +38,8 @@ import pytest
 import torch
 
 from launcher_inprocess import pretrain_script, run_launcher
-from megatron_fsdp.training.arg_types import ArgumentError
-from megatron_fsdp.training.arguments import parse_args
+from megatron_fsdp.training.args.arg_types import ArgumentError
+from megatron_fsdp.training.args.arguments import parse_args
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = ("--num-layers 1 --hidden-size 16 --num-attention-heads 2 --seq-length 8 --max-position-embeddings 8 "
@@ -53,7 +53,7 @@ def run_task(rank: int, world: int, *, flags: str) -> None:
 
 
 def _file(root: Path, iteration: int) -> dict:
-    from megatron_fsdp.training.torch_checkpoint import _read, model_file
+    from megatron_fsdp.training.checkpoint.torch_checkpoint import _read, model_file
 
     return _read(model_file(str(root), iteration))
 
@@ -104,9 +104,9 @@ def refusal_task(rank: int, world: int, *, root: str) -> dict:
     """Load a damaged copy and another model's checkpoint: each refused, nothing changed."""
     import shutil
 
-    from megatron_fsdp.checkpoint import CheckpointReadError
-    from megatron_fsdp.state_dict import StateDictMismatchError
-    from megatron_fsdp.training import torch_checkpoint
+    from megatron_fsdp.state.checkpoint import CheckpointReadError
+    from megatron_fsdp.state.model_state_dict import StateDictMismatchError
+    from megatron_fsdp.training.checkpoint import torch_checkpoint
     from megatron_fsdp.training.model_setup import setup_model_and_optimizer
 
     args = parse_args(shlex.split(BASE.replace("--hidden-size 16", "--hidden-size 32")), world_size=world)
@@ -174,7 +174,7 @@ KEYS = ("model", "optimizer", "opt_param_scheduler", "rng_state", "iteration", "
 
 
 def _distrib(root: Path, iteration: int) -> dict:
-    from megatron_fsdp.training.torch_checkpoint import _read, distrib_optim_file
+    from megatron_fsdp.training.checkpoint.torch_checkpoint import _read, distrib_optim_file
 
     return _read(distrib_optim_file(str(root), iteration), key="param")
 
@@ -240,7 +240,7 @@ def test_mixed_precision_resume_from_torch_format_matches_an_uninterrupted_run(p
 def resave_task(rank: int, world: int, *, root: str, out: str, flags: str) -> None:
     """Load iteration 2 of ``root`` into a run with ``flags`` on ``world`` ranks and save it
     again, untouched, to ``out``."""
-    from megatron_fsdp.training import torch_checkpoint
+    from megatron_fsdp.training.checkpoint import torch_checkpoint
     from megatron_fsdp.training.model_setup import setup_model_and_optimizer
 
     args = parse_args(shlex.split(BASE + flags), world_size=world)
@@ -255,9 +255,9 @@ def engine_refusal_task(rank: int, world: int, *, root: str) -> dict:
     import shutil
 
     import megatron_fsdp as mf
-    from megatron_fsdp.checkpoint import CheckpointReadError
-    from megatron_fsdp.state_dict import StateDictMismatchError
-    from megatron_fsdp.training import torch_checkpoint
+    from megatron_fsdp.state.checkpoint import CheckpointReadError
+    from megatron_fsdp.state.model_state_dict import StateDictMismatchError
+    from megatron_fsdp.training.checkpoint import torch_checkpoint
     from megatron_fsdp.training.model_setup import setup_model_and_optimizer
 
     out = {}
@@ -384,7 +384,7 @@ def mcore_run_task(rank: int, world: int, *, flags: str) -> None:
     from unittest import mock
 
     from mcore_cpu_shim import cpu_shim
-    from megatron_fsdp import device as device_mod
+    from megatron_fsdp.comm import device as device_mod
     from megatron_fsdp.models import mcore as mcore_models
     from megatron_fsdp.training.model_setup import gpt_config_from_args
 

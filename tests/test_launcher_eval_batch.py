@@ -20,7 +20,7 @@ import pytest
 
 from launcher_inprocess import load_pretrain_script, run_launcher
 from megatron_fsdp.training import data as data_mod
-from megatron_fsdp.training.arguments import ArgumentError, parse_args
+from megatron_fsdp.training.args.arguments import ArgumentError, parse_args
 from megatron_fsdp.training.data import TrainValidTestDatasets, train_valid_test_num_samples
 
 BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "

@@ -1,4 +1,4 @@
-"""The launcher's argument table (megatron_fsdp/training/flag_data/) and Megatron-LM's
+"""The launcher's argument table (megatron_fsdp/training/args/flag_data/) and Megatron-LM's
 validation rules, without processes; plus one short 2-rank run in the style of
 Megatron-LM's Llama-3-8B Megatron-FSDP script whose TensorBoard events are read back.
 """
@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from megatron_fsdp.training.arguments import ArgumentError, build_parser, parse_args, suggest_flag
-from megatron_fsdp.training.flag_table import FlagStatus, load_flag_table
-from megatron_fsdp.training.logging_utils import IntervalStats, format_iteration_line
-from megatron_fsdp.training.lr_schedule import LRSchedule
-from megatron_fsdp.training.arg_types import LRDecayStyle
+from megatron_fsdp.training.args.arguments import ArgumentError, build_parser, parse_args, suggest_flag
+from megatron_fsdp.training.args.flag_table import FlagStatus, load_flag_table
+from megatron_fsdp.training.observe.logging_utils import IntervalStats, format_iteration_line
+from megatron_fsdp.training.optim.lr_schedule import LRSchedule
+from megatron_fsdp.training.args.arg_types import LRDecayStyle
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "pretrain_gpt.py"
@@ -73,8 +73,8 @@ def test_each_family_flag_is_used_warned_or_rejected_with_its_reason(spec):
     parser = build_parser(TABLE)
     args = parser.parse_args([*BASE, "--train-iters", "8", spec.flag, *_sample_value(spec)])
     assert isinstance(args, argparse.Namespace)
-    from megatron_fsdp.training.arguments import given_flags
-    from megatron_fsdp.training.validation import flag_policy
+    from megatron_fsdp.training.args.arguments import given_flags
+    from megatron_fsdp.training.args.validation import flag_policy
 
     args.use_mcore_models = args.deprecated_use_mcore_models
     problems, warnings = flag_policy(args, given_flags([spec.flag], TABLE))
@@ -443,7 +443,7 @@ def test_data_flags_are_validated_through_data_args_problems(monkeypatch):
 def test_more_local_ranks_than_gpus_is_refused_up_front(monkeypatch, backend):
     """Two processes on a one-GPU node (a real case: torchrun --nproc-per-node 2): the
     second would fail inside CUDA with "invalid device ordinal"."""
-    from megatron_fsdp import device as device_mod
+    from megatron_fsdp.comm import device as device_mod
 
     monkeypatch.setattr(device_mod, "cuda_available", lambda: True)
     monkeypatch.setattr(device_mod, "cuda_device_count", lambda: 1)
@@ -456,7 +456,7 @@ def test_more_local_ranks_than_gpus_is_refused_up_front(monkeypatch, backend):
 
 
 def test_mcore_models_refuse_what_megatron_lm_cannot_build(monkeypatch):
-    from megatron_fsdp import device as device_mod
+    from megatron_fsdp.comm import device as device_mod
 
     pytest.importorskip("megatron.core")
     monkeypatch.setattr(device_mod, "cuda_available", lambda: True)
@@ -566,7 +566,7 @@ def test_use_checkpoint_opt_param_scheduler_takes_the_checkpoints_schedule(tmp_p
     import torch
 
     from launcher_inprocess import load_pretrain_script
-    from megatron_fsdp.training import checkpointing
+    from megatron_fsdp.training.checkpoint import dcp_checkpoint as checkpointing
     from megatron_fsdp.training.training_step import TrainState
 
     script = load_pretrain_script()

@@ -44,11 +44,11 @@ def mcore_train_worker(rank, world, *, strategy, extra=""):
     from megatron.core.transformer.moe import moe_utils
 
     from mcore_cpu_shim import cpu_shim as _mcore_on_cpu
-    from megatron_fsdp import device as device_mod
+    from megatron_fsdp.comm import device as device_mod
     from megatron_fsdp.models import mcore as mcore_models
-    from megatron_fsdp.training.arguments import parse_args
+    from megatron_fsdp.training.args.arguments import parse_args
     from megatron_fsdp.training.data import BatchLayout, MockDataset
-    from megatron_fsdp.training.lr_schedule import LRSchedule
+    from megatron_fsdp.training.optim.lr_schedule import LRSchedule
     from megatron_fsdp.training.model_setup import setup_model_and_optimizer
     from megatron_fsdp.training.training_step import StepContext, TrainState, train_step
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from launcher_inprocess import REPO, load_pretrain_script
-from megatron_fsdp.training.arg_types import LRDecayStyle
-from megatron_fsdp.training.arguments import ArgumentError, parse_args
-from megatron_fsdp.training.lr_schedule import LRSchedule
+from megatron_fsdp.training.args.arg_types import LRDecayStyle
+from megatron_fsdp.training.args.arguments import ArgumentError, parse_args
+from megatron_fsdp.training.optim.lr_schedule import LRSchedule
 
 BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
         "--micro-batch-size 2 --lr 3e-3").split()
@@ -106,7 +106,7 @@ def test_null_tokenizer_vocabulary_is_vocab_size(vocab, padded):
     # the launcher used to add one, doubling the padded vocabulary at --vocab-size 128.
     args = _parse(["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab)])
     assert args.padded_vocab_size == padded
-    from megatron_fsdp.training.tokenizers import build_tokenizer
+    from megatron_fsdp.training.data.tokenizers import build_tokenizer
 
     tokenizer = build_tokenizer("NullTokenizer", vocab_size=vocab)
     assert tokenizer.vocab_size == vocab and tokenizer.eod == vocab - 1
@@ -283,7 +283,7 @@ def test_load_balancing_type_reaches_the_model():
     # the launcher used to accept none and still add the aux loss.
     from megatron_fsdp.models.config import MoELoadBalancing
     from megatron_fsdp.models.gpt import GPT
-    from megatron_fsdp.training.logging_utils import IntervalStats, format_iteration_line
+    from megatron_fsdp.training.observe.logging_utils import IntervalStats, format_iteration_line
     from megatron_fsdp.training.model_setup import gpt_config_from_args
 
     moe = ["--mock-data", "--vocab-size", "64", "--num-experts", "4", "--moe-aux-loss-coeff", "0.01"]

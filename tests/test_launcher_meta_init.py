@@ -13,7 +13,7 @@ import shlex
 
 import torch
 
-from megatron_fsdp.training.arguments import parse_args
+from megatron_fsdp.training.args.arguments import parse_args
 
 BASE = ("--num-layers 2 --hidden-size 16 --num-attention-heads 2 --seq-length 8 --max-position-embeddings 8 "
         "--micro-batch-size 1 --global-batch-size 2 --train-iters 1 --lr 1e-3 --decoupled-lr 2e-3 --seed 3 "

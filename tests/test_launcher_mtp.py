@@ -21,8 +21,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from launcher_inprocess import run_launcher
-from megatron_fsdp.training.arg_types import ArgumentError
-from megatron_fsdp.training.arguments import parse_args
+from megatron_fsdp.training.args.arg_types import ArgumentError
+from megatron_fsdp.training.args.arguments import parse_args
 
 TOL = 1e-5
 BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
@@ -70,7 +70,7 @@ def objective_worker(rank, world, *, per_token):
     import copy
 
     from megatron_fsdp.training.data import BatchLayout, MockDataset, get_microbatch
-    from megatron_fsdp.training.lr_schedule import LRSchedule
+    from megatron_fsdp.training.optim.lr_schedule import LRSchedule
     from megatron_fsdp.training.model_setup import setup_model_and_optimizer
     from megatron_fsdp.training.training_step import StepContext, _forward_backward
 
@@ -171,11 +171,11 @@ def mcore_or_embedded_worker(rank, world, *, flags, mcore):
     import contextlib
     from unittest import mock
 
-    from megatron_fsdp import device as device_mod
+    from megatron_fsdp.comm import device as device_mod
     from megatron_fsdp.models import GPT
     from megatron_fsdp.models import mcore as mcore_models
     from megatron_fsdp.training.data import BatchLayout, MockDataset
-    from megatron_fsdp.training.lr_schedule import LRSchedule
+    from megatron_fsdp.training.optim.lr_schedule import LRSchedule
     from megatron_fsdp.training.model_setup import setup_model_and_optimizer
     from megatron_fsdp.training.training_step import StepContext, TrainState, train_step
 

@@ -1,4 +1,4 @@
-"""``--optimizer muon`` (megatron_fsdp/training/muon.py, muon_optimizer.py, muon_flags.py)
+"""``--optimizer muon`` (megatron_fsdp/training/optim/muon.py, muon_optimizer.py, muon_flags.py)
 against Megatron-LM's Muon (its ``emerging_optimizers`` formulas, written out here:
 that package is not installed):
 
@@ -27,9 +27,9 @@ import torch
 
 from conftest import get_pool
 from launcher_inprocess import run_launcher
-from megatron_fsdp.training.arg_types import ArgumentError
-from megatron_fsdp.training.arguments import parse_args
-from megatron_fsdp.training.muon import (
+from megatron_fsdp.training.args.arg_types import ArgumentError
+from megatron_fsdp.training.args.arguments import parse_args
+from megatron_fsdp.training.optim.muon import (
     CoefficientType,
     FusedRows,
     MatmulPrecision,
@@ -38,7 +38,7 @@ from megatron_fsdp.training.muon import (
     newton_schulz,
     update_scale,
 )
-from megatron_fsdp.training.muon_optimizer import MuonAdamW, assign_owners, qkv_split, uses_muon
+from megatron_fsdp.training.optim.muon_optimizer import MuonAdamW, assign_owners, qkv_split, uses_muon
 
 
 # emerging_optimizers' coefficient tables (muon_utils.py), as data.

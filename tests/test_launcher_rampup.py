@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_fsdp.training.arguments import ArgumentError, parse_args
-from megatron_fsdp.training.lr_schedule import LRSchedule
+from megatron_fsdp.training.args.arguments import ArgumentError, parse_args
+from megatron_fsdp.training.optim.lr_schedule import LRSchedule
 from megatron_fsdp.training.microbatches import BatchRampup, BatchSchedule
 
 REPO = Path(__file__).resolve().parents[1]

@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from launcher_inprocess import run_launcher
-from megatron_fsdp.training.arg_types import ArgumentError
-from megatron_fsdp.training.arguments import parse_args
+from megatron_fsdp.training.args.arg_types import ArgumentError
+from megatron_fsdp.training.args.arguments import parse_args
 
 BASE = ("--num-layers 2 --hidden-size 16 --num-attention-heads 2 --seq-length 8 --max-position-embeddings 8 "
         "--micro-batch-size 1 --global-batch-size 4 --train-iters 4 --lr 3e-3 --adam-eps 1e-4 --seed 7 "

@@ -11,8 +11,8 @@ import shlex
 import pytest
 import torch
 
-from megatron_fsdp.training.arg_types import ArgumentError, DataParallelPath
-from megatron_fsdp.training.arguments import parse_args
+from megatron_fsdp.training.args.arg_types import ArgumentError, DataParallelPath
+from megatron_fsdp.training.args.arguments import parse_args
 from test_pretrain_script import TINY, load_metrics, run_ok
 
 BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
@@ -24,7 +24,7 @@ TOL = 1e-5
 def average_worker(rank, world, *, extra):
     """Three launcher iterations: losses, and the reduction op of the wrapper."""
     from megatron_fsdp.training.data import BatchLayout, MockDataset
-    from megatron_fsdp.training.lr_schedule import LRSchedule
+    from megatron_fsdp.training.optim.lr_schedule import LRSchedule
     from megatron_fsdp.training.model_setup import setup_model_and_optimizer
     from megatron_fsdp.training.training_step import StepContext, TrainState, train_step
 

@@ -287,7 +287,7 @@ def test_ddp_moe_needs_no_unused_parameter_search(pool2):
 def _ddp_path_task(rank: int, world: int, *, flags: list[str]) -> dict:
     import torch
 
-    from megatron_fsdp.training.arguments import parse_args
+    from megatron_fsdp.training.args.arguments import parse_args
     from megatron_fsdp.training.model_setup import setup_model_and_optimizer
 
     args = parse_args(("--num-layers 1 --hidden-size 16 --num-attention-heads 2 --seq-length 8 "
@@ -327,9 +327,9 @@ def test_ddp_path_follows_megatron_core_ddp(pool2, flags, expected):
 def _replica_check_task(rank: int, world: int, *, flags: list[str], corrupt: bool) -> str:
     import torch
 
-    from megatron_fsdp.training.arguments import parse_args
+    from megatron_fsdp.training.args.arguments import parse_args
     from megatron_fsdp.training.model_setup import setup_model_and_optimizer
-    from megatron_fsdp.training.replica_check import ReplicaMismatchError, check_weight_replicas
+    from megatron_fsdp.training.observe.replica_check import ReplicaMismatchError, check_weight_replicas
 
     args = parse_args(("--num-layers 1 --hidden-size 16 --num-attention-heads 2 --seq-length 8 "
                        "--max-position-embeddings 8 --micro-batch-size 1 --lr 1e-3 --train-iters 2 --mock-data "
@@ -355,7 +355,7 @@ def test_weight_replica_check(pool2, flags):
 
 
 def test_weight_replica_check_refused_with_sharded_weights():
-    from megatron_fsdp.training.arguments import ArgumentError, parse_args
+    from megatron_fsdp.training.args.arguments import ArgumentError, parse_args
 
     with pytest.raises(ArgumentError, match="not supported with --data-parallel-sharding-strategy optim_grads_params"):
         parse_args("--num-layers 1 --hidden-size 16 --num-attention-heads 2 --seq-length 8 --max-position-embeddings 8 "

@@ -23,8 +23,8 @@ import shlex
 import pytest
 
 from launcher_inprocess import run_launcher
-from megatron_fsdp.training.arguments import ArgumentError, parse_args
-from megatron_fsdp.training.lr_schedule import LRSchedule
+from megatron_fsdp.training.args.arguments import ArgumentError, parse_args
+from megatron_fsdp.training.optim.lr_schedule import LRSchedule
 from megatron_fsdp.training.microbatches import BatchSchedule, BatchSteps
 
 

@@ -28,8 +28,8 @@ import pytest
 import torch
 
 from launcher_inprocess import REPO, load_pretrain_script
-from megatron_fsdp.training.arg_types import ArgumentError, DataParallelPath
-from megatron_fsdp.training.arguments import parse_args
+from megatron_fsdp.training.args.arg_types import ArgumentError, DataParallelPath
+from megatron_fsdp.training.args.arguments import parse_args
 
 TOL = 1e-5
 BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
@@ -50,7 +50,7 @@ def _mcore_on_cpu(world: int):
     from megatron.core.transformer.moe import moe_utils
 
     from mcore_cpu_shim import cpu_shim
-    from megatron_fsdp import device as device_mod
+    from megatron_fsdp.comm import device as device_mod
     from megatron_fsdp.models import mcore as mcore_models
 
     if hasattr(moe_utils, "te_general_gemm") and moe_utils.te_general_gemm is None:
@@ -298,7 +298,7 @@ def _recipe_env(tmp_path: Path, monkeypatch) -> None:
 
 
 def _parse_recipe(tmp_path: Path, text: str):
-    from megatron_fsdp import device as device_mod
+    from megatron_fsdp.comm import device as device_mod
 
     config = tmp_path / "model_config.yaml"
     config.write_text(text)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from megatron_fsdp.layout import BucketLayout, ShardOverlap
+from megatron_fsdp.buffers.layout import BucketLayout, ShardOverlap
 from megatron_fsdp.enums import ShardingStrategy
 from megatron_fsdp.mixed_precision import MixedPrecisionPolicy, parse_dtype
 import torch
@@ -102,7 +102,7 @@ def test_policy_defaults_and_validation():
 def test_flat_range_boxes_tile_the_range_exactly():
     import random
 
-    from megatron_fsdp.layout import flat_range_boxes
+    from megatron_fsdp.buffers.layout import flat_range_boxes
 
     rng = random.Random(0)
     for _ in range(300):
@@ -127,7 +127,7 @@ def test_flat_range_boxes_tile_the_range_exactly():
 
 
 def test_flat_range_boxes_rejects_out_of_range():
-    from megatron_fsdp.layout import flat_range_boxes
+    from megatron_fsdp.buffers.layout import flat_range_boxes
 
     with pytest.raises(ValueError, match="outside"):
         flat_range_boxes((2, 3), 4, 7)

@@ -2,7 +2,7 @@
 once the user drops it, as with DDP and FSDP2 (a GPU holding one model per
 configuration, gpu_check's sections, ran out of memory when every wrapped model lived
 on). Copies, pickles, moves and casts either work as under DDP or raise naming the
-remedy (module_guards.py)."""
+remedy (wrapped_model_guards.py)."""
 
 from __future__ import annotations
 

@@ -22,8 +22,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from mcore_cpu_shim import cpu_shim  # noqa: E402
-from megatron_fsdp.distributed_data_parallel import FullyShardedDataParallel, convert_ddp_config  # noqa: E402
-from megatron_fsdp.megatron_core_compat import (  # noqa: E402
+from megatron_fsdp.mcore_fsdp_adapter import FullyShardedDataParallel, convert_ddp_config  # noqa: E402
+from megatron_fsdp.compat.megatron_core import (  # noqa: E402
     build_megatron_core_gpt,
     ensure_model_parallel_initialized,
     gpt_args,

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_fsdp.marks import is_expert_param
+from megatron_fsdp.param_marks import is_expert_param
 from megatron_fsdp.models import (
     GPT,
     GPTConfig,

@@ -143,7 +143,7 @@ GATES = ["--moe-shared-expert-gate", "--attention-output-gate"]
 
 
 def test_launcher_builds_gates_with_weight_decay():
-    from megatron_fsdp.training.arguments import parse_args
+    from megatron_fsdp.training.args.arguments import parse_args
     from megatron_fsdp.training.model_setup import build_optimizer, gpt_config_from_args
 
     args = parse_args(BASE + GATES + ["--weight-decay", "0.1"], world_size=1)
@@ -158,9 +158,9 @@ def test_launcher_builds_gates_with_weight_decay():
 
 def test_launcher_maps_gates_to_megatron_core_and_refuses_mla(monkeypatch):
     pytest.importorskip("megatron.core")
-    from megatron_fsdp import device as device_mod
+    from megatron_fsdp.comm import device as device_mod
     from megatron_fsdp.models.mcore import _transformer_config, mcore_args
-    from megatron_fsdp.training.arguments import ArgumentError, parse_args
+    from megatron_fsdp.training.args.arguments import ArgumentError, parse_args
     from megatron_fsdp.training.model_setup import gpt_config_from_args
 
     monkeypatch.setattr(device_mod, "cuda_available", lambda: True)

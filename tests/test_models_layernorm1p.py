@@ -130,7 +130,7 @@ BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16
 def test_launcher_builds_zero_centred_norms_without_weight_decay():
     """Megatron-LM's optimizer groups: 1-D parameters (the centred norm weights among
     them) take no weight decay; the q/k norms do with --apply-wd-to-qk-layernorm."""
-    from megatron_fsdp.training.arguments import parse_args
+    from megatron_fsdp.training.args.arguments import parse_args
     from megatron_fsdp.training.model_setup import build_optimizer, gpt_config_from_args
 
     for qk_decay in (False, True):
@@ -148,8 +148,8 @@ def test_launcher_builds_zero_centred_norms_without_weight_decay():
 
 def test_launcher_accepts_layernorm_1p_with_mcore_models_as_megatron_lm(monkeypatch):
     pytest.importorskip("megatron.core")
-    from megatron_fsdp import device as device_mod
-    from megatron_fsdp.training.arguments import ArgumentError, parse_args
+    from megatron_fsdp.comm import device as device_mod
+    from megatron_fsdp.training.args.arguments import ArgumentError, parse_args
     from megatron_fsdp.training.model_setup import gpt_config_from_args
 
     monkeypatch.setattr(device_mod, "cuda_available", lambda: True)

@@ -196,8 +196,8 @@ LAUNCHER_MODELS = {
 
 def launcher_checkpoint_keys_worker(rank, world, *, flags, directory):
     """The model keys the launcher's --save writes, and megatron-core GPTModel's own."""
-    from megatron_fsdp import device as device_mod
-    from megatron_fsdp.training.arguments import parse_args
+    from megatron_fsdp.comm import device as device_mod
+    from megatron_fsdp.training.args.arguments import parse_args
 
     # Validation refuses --use-mcore-models without CUDA; the shim provides what megatron-core needs.
     with mock.patch.object(device_mod, "cuda_available", lambda: True), \
@@ -216,7 +216,7 @@ def launcher_saved_and_own_keys(args, directory, bridge):
     import torch.distributed.checkpoint as dcp
 
     from megatron_fsdp.models import mcore as mcore_models
-    from megatron_fsdp.training import checkpointing
+    from megatron_fsdp.training.checkpoint import dcp_checkpoint as checkpointing
     from megatron_fsdp.training.model_setup import gpt_config_from_args, setup_model_and_optimizer
 
     with bridge(), mock.patch.object(mcore_models, "build_mcore_gpt",

@@ -218,7 +218,7 @@ def test_deepseek_proxy_command_trains_on_cpu_fsdp_equals_ddp(tmp_path):
 
 
 def _proxy_args(extra: str = "", drop: tuple[str, ...] = ()):
-    from megatron_fsdp.training.arguments import parse_args
+    from megatron_fsdp.training.args.arguments import parse_args
 
     tokens = shlex.split(DEEPSEEK_PROXY + " " + extra)
     for flag in drop:
@@ -263,19 +263,19 @@ def test_launcher_warns_where_a_flag_has_no_effect():
     ("--cache-mla-latents", (), "megatron-core refuses it in training"),
 ])
 def test_launcher_refuses_what_mla_cannot_honour(extra, drop, match):
-    from megatron_fsdp.training.arguments import ArgumentError
+    from megatron_fsdp.training.args.arguments import ArgumentError
 
     with pytest.raises(ArgumentError, match=re.escape(match)):
         _proxy_args(extra, drop)
 
 
 def test_mcore_mla_needs_transformer_engine():
-    from megatron_fsdp.training import mla_flags
-    from megatron_fsdp.training.arguments import ArgumentError
+    from megatron_fsdp.training.args import mla_flags
+    from megatron_fsdp.training.args.arguments import ArgumentError
 
     if mla_flags.transformer_engine_installed():
         pytest.skip("TransformerEngine is installed")
-    from megatron_fsdp import device as device_mod
+    from megatron_fsdp.comm import device as device_mod
 
     with mock.patch.object(device_mod, "cuda_available", lambda: True), \
             mock.patch.object(device_mod, "cuda_device_count", lambda: 2), \
@@ -287,8 +287,8 @@ def launcher_mcore_mla_keys_worker(rank, world, *, directory):
     """The launcher's --use-mcore-models --multi-latent-attention --save: megatron-core's own keys."""
     from test_models_mcore import launcher_saved_and_own_keys
 
-    from megatron_fsdp import device as device_mod
-    from megatron_fsdp.training import mla_flags
+    from megatron_fsdp.comm import device as device_mod
+    from megatron_fsdp.training.args import mla_flags
 
     # Validation refuses --use-mcore-models without CUDA (and MLA without TransformerEngine): the shim bridges both.
     with mock.patch.object(device_mod, "cuda_available", lambda: True), \

@@ -17,7 +17,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 import megatron_fsdp as mf
-from megatron_fsdp.marks import is_expert_param
+from megatron_fsdp.param_marks import is_expert_param
 from megatron_fsdp.models import GPT, GPTConfig, TransformerBlock, gpt_loss
 from models import make_optimizer, max_param_diff
 

@@ -163,7 +163,7 @@ def test_full_recomputation_replays_the_noise():
 
 
 def test_flag_reaches_the_model_and_shares_one_stream():
-    from megatron_fsdp.training.arguments import parse_args
+    from megatron_fsdp.training.args.arguments import parse_args
     from megatron_fsdp.training.model_setup import gpt_config_from_args
 
     flags = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 8 --max-position-embeddings 8 "

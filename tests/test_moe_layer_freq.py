@@ -15,8 +15,8 @@ import pytest
 
 from megatron_fsdp.models import GPT, GPTConfig
 from megatron_fsdp.models.moe import MoELayer
-from megatron_fsdp.training.arguments import ArgumentError, parse_args
-from megatron_fsdp.training.validation import parse_layer_freq
+from megatron_fsdp.training.args.arguments import ArgumentError, parse_args
+from megatron_fsdp.training.args.validation import parse_layer_freq
 
 LLAMA_MOE = dict(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=64, swiglu=True,
                  ffn_hidden_size=40, normalization="RMSNorm", position_embedding_type="rope",

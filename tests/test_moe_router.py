@@ -34,7 +34,7 @@ from mcore_parity import mcore_device
 from megatron_fsdp.models import GPT, GPTConfig, gpt_loss
 from megatron_fsdp.models.config import MoELoadBalancing, ScoreFunction
 from megatron_fsdp.models.router import finish_global_batch, group_limited_topk, sinkhorn
-from megatron_fsdp.training.arguments import ArgumentError, parse_args
+from megatron_fsdp.training.args.arguments import ArgumentError, parse_args
 
 SEQ, HIDDEN = 8, 32
 LAYER = dict(num_layers=1, hidden_size=HIDDEN, num_attention_heads=4, seq_length=SEQ, vocab_size=64,
@@ -320,7 +320,7 @@ def _saved_expert_bias(directory: Path) -> dict:
     """The expert biases of the iteration-4 checkpoint, read without a process group."""
     import torch.distributed.checkpoint as dcp
 
-    from megatron_fsdp.training import checkpointing
+    from megatron_fsdp.training.checkpoint import dcp_checkpoint as checkpointing
 
     reader = dcp.FileSystemReader(checkpointing.checkpoint_dir(str(directory), 4))
     metadata = reader.read_metadata().state_dict_metadata
@@ -364,10 +364,10 @@ def mcore_launcher_worker(rank, world, *, extra=""):
 
     import torch.distributed as dist
 
-    from megatron_fsdp import device as device_mod
+    from megatron_fsdp.comm import device as device_mod
     from megatron_fsdp.models import mcore as mcore_models
     from megatron_fsdp.training.data import BatchLayout, MockDataset
-    from megatron_fsdp.training.lr_schedule import LRSchedule
+    from megatron_fsdp.training.optim.lr_schedule import LRSchedule
     from megatron_fsdp.training.model_setup import setup_model_and_optimizer
     from megatron_fsdp.training.training_step import StepContext, TrainState, train_step
 

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import megatron_fsdp as mf
-from megatron_fsdp import collectives
+from megatron_fsdp.comm import collectives
 from conftest import get_pool
 from models import Block, loss_fn, make_batches, make_model, make_optimizer, max_param_diff, train_reference, train_steps
 from test_patterns import LOOPS, STRATEGIES, pattern_worker

@@ -20,9 +20,9 @@ from torch.utils._pytree import tree_leaves
 
 import megatron_fsdp as mf
 from conftest import get_pool
-from megatron_fsdp.checkpoint import CheckpointReadError
-from megatron_fsdp.state_dict import chunk_rows, clone_for_load, state_dicts_on
-from megatron_fsdp.uneven_dtensor import uneven_dtensor_to_full_tensor
+from megatron_fsdp.state.checkpoint import CheckpointReadError
+from megatron_fsdp.state.model_state_dict import chunk_rows, clone_for_load, state_dicts_on
+from megatron_fsdp.state.uneven_dtensor import uneven_dtensor_to_full_tensor
 from megatron_fsdp.utils import make_fsdp_dtensor
 from models import Block, loss_fn, make_batches, make_model, make_optimizer, train_steps
 
@@ -257,7 +257,7 @@ def test_our_checkpoint_loads_in_upstreams_form(pool2, tmp_path):
 def staged_load_worker(rank, world, *, strategy, path):
     from test_patterns_checkpoint import _same, _snapshot
 
-    import megatron_fsdp.checkpoint as checkpoint
+    import megatron_fsdp.state.checkpoint as checkpoint
 
     batches = make_batches("net", 3, GLOBAL_BATCH)
     model, opt = _shard(strategy)
@@ -315,7 +315,7 @@ def test_clone_for_load_is_a_host_copy():
 def hybrid_worker(rank, world, *, outer, path):
     import torch.distributed as dist
 
-    from megatron_fsdp.distributed_index import build_hybrid_mesh
+    from megatron_fsdp.comm.distributed_index import build_hybrid_mesh
 
     def shard():
         return mf.fully_shard(make_model("net"), make_optimizer("adamw"), device_mesh=build_hybrid_mesh("cpu", 2),

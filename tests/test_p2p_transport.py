@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_fsdp import collectives, p2p_transport
+from megatron_fsdp.comm import collectives, p2p_transport
 
 
 def _native(fn):

@@ -373,7 +373,7 @@ def test_weight_edit_check_compares_bits():
     """The in-place-edit check (megatron_fsdp.py) compares bits: a NaN weight left as
     it was is not an edit (a value compare would re-gather it every step), and a
     write of -0.0 over 0.0 is one."""
-    from megatron_fsdp.weight_edits import bits_differ as _bits_differ
+    from megatron_fsdp.runtime.weight_edits import bits_differ as _bits_differ
 
     for dtype in (torch.float32, torch.bfloat16, torch.float64):
         a = torch.tensor([1.0, float("nan"), 0.0], dtype=dtype)
@@ -384,7 +384,7 @@ def test_weight_edit_check_compares_bits():
 
 def test_unit_walk_visits_skipped_units_in_order():
     """[Note: one unit sequence on every rank], as pure bookkeeping."""
-    from megatron_fsdp.unit_schedule import UnitWalk, merge_order
+    from megatron_fsdp.runtime.unit_schedule import UnitWalk, merge_order
 
     walk = UnitWalk(["a", "b", "c", "d"])
     assert walk.catch_up("c") == ["a", "b"]

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import megatron_fsdp as mf
-from megatron_fsdp.checkpoint import CheckpointReadError
+from megatron_fsdp.state.checkpoint import CheckpointReadError
 from models import Block, loss_fn, make_batches, make_model, make_optimizer
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]

@@ -23,10 +23,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_fsdp import device as device_mod
-from megatron_fsdp.training.arguments import ArgumentError, LRDecayStyle, parse_args
+from megatron_fsdp.comm import device as device_mod
+from megatron_fsdp.training.args.arguments import ArgumentError, LRDecayStyle, parse_args
 from megatron_fsdp.training.data import BatchLayout, TextDataset
-from megatron_fsdp.training.lr_schedule import LRSchedule
+from megatron_fsdp.training.optim.lr_schedule import LRSchedule
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "pretrain_gpt.py"

@@ -1,5 +1,5 @@
 """Between steps the wrapped module's registered parameters are the distributed
-parameters (param_swap.py [Note: registered parameters]): whatever walks
+parameters (registered_params.py [Note: registered parameters]): whatever walks
 ``model.module`` trains, clips and reads exactly as single-process training on the
 global batch (issues 13 and 14)."""
 
@@ -15,7 +15,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 import megatron_fsdp as mf
-import megatron_fsdp.uneven_dtensor
+import megatron_fsdp.state.uneven_dtensor
 from models import Block, Net, SkipNet, loss_fn, make_batches
 from test_patterns import STRATEGIES, TOL, Ctx, _loss, _optimizer, loop_plain
 
@@ -416,7 +416,7 @@ def dtensor_api_worker(rank, world, *, strategy):
                        "state_full_tensor": lambda: opt.state[weight]["exp_avg"].full_tensor(),
                        # upstream's helper, which Megatron-LM calls on parameters: it raised
                        # torch's "expanded size" error here
-                       "uneven_full_tensor": lambda: megatron_fsdp.uneven_dtensor.uneven_dtensor_to_full_tensor(
+                       "uneven_full_tensor": lambda: megatron_fsdp.state.uneven_dtensor.uneven_dtensor_to_full_tensor(
                            weight)}.items():
         try:
             call()

@@ -1,5 +1,5 @@
-"""Scale by simulation: the plan (megatron_fsdp/plan.py) against a fake-process-group
-build of rank 0 of a W-rank job (megatron_fsdp/simulate.py), at W = 8, 64, 1024.
+"""Scale by simulation: the plan (megatron_fsdp/tools/plan.py) against a fake-process-group
+build of rank 0 of a W-rank job (megatron_fsdp/tools/simulate.py), at W = 8, 64, 1024.
 
 Each fake-group build runs in a subprocess of its own: the fake group must not meet
 the gloo worker pool. Large models (1B, 8B, 70B parameters) take minutes of CPU and
@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 from bench_lib.config import Family, ImplSpec  # noqa: E402
 from bench_lib.theory import ElementSizes, ParamCounts, expected_memory, min_comm_bytes  # noqa: E402
 from megatron_fsdp.enums import ShardingStrategy  # noqa: E402
-from megatron_fsdp.plan import PlanRequest, make_plan  # noqa: E402
+from megatron_fsdp.tools.plan import PlanRequest, make_plan  # noqa: E402
 
 LARGE = os.environ.get("MFSDP_SCALE_LARGE") == "1"
 
@@ -30,7 +30,7 @@ LARGE = os.environ.get("MFSDP_SCALE_LARGE") == "1"
 def run_plan(*args: str, timeout: float = 600) -> list[dict]:
     env = dict(os.environ, PYTHONPATH=ROOT)
     proc = subprocess.run(
-        [sys.executable, "-m", "megatron_fsdp.plan", "--json", *args],
+        [sys.executable, "-m", "megatron_fsdp.tools.plan", "--json", *args],
         capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout,
     )
     assert proc.returncode in (0, 1), proc.stderr[-4000:]

@@ -1,4 +1,4 @@
-"""Tokenizers (megatron_fsdp/training/tokenizers.py) and the shipped BPE vocabulary.
+"""Tokenizers (megatron_fsdp/training/data/tokenizers.py) and the shipped BPE vocabulary.
 
 * The shipped data/bpe/ files are what scripts/build_bpe_vocab.py makes from data/corpus.txt.
 * Our GPT-2 byte-level BPE round-trips any text, applies merges by rank, and gives the same
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_fsdp.training import tokenizers as tk
+from megatron_fsdp.training.data import tokenizers as tk
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = REPO / "data" / "bpe" / "vocab.json"

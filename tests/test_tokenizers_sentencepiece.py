@@ -1,4 +1,4 @@
-"""SentencePiece tokenizers (megatron_fsdp/training/sentencepiece_tokenizers.py).
+"""SentencePiece tokenizers (megatron_fsdp/training/data/sentencepiece_tokenizers.py).
 
 A tiny SentencePiece model is trained here from lines of data/corpus.txt, then:
 
@@ -24,7 +24,7 @@ import pytest
 
 spm = pytest.importorskip("sentencepiece")
 
-from megatron_fsdp.training import tokenizers as tk  # noqa: E402
+from megatron_fsdp.training.data import tokenizers as tk  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 LINES = [line for line in (REPO / "data" / "corpus.txt").read_text(encoding="utf-8").splitlines() if line.strip()]
@@ -128,8 +128,8 @@ def test_flag_problems(kind, tmp_path):
 
 
 def test_without_sentencepiece_the_launcher_refuses(model, monkeypatch):
-    from megatron_fsdp.training import arguments
-    from megatron_fsdp.training.arg_types import ArgumentError
+    from megatron_fsdp.training.args import arguments
+    from megatron_fsdp.training.args.arg_types import ArgumentError
 
     monkeypatch.setitem(sys.modules, "sentencepiece", None)  # as if not installed
     problems = tk.tokenizer_problems("Llama2Tokenizer", tokenizer_model=model)

@@ -12,7 +12,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 import megatron_fsdp as mf
-from megatron_fsdp.distributed_index import build_hybrid_mesh
+from megatron_fsdp.comm.distributed_index import build_hybrid_mesh
 from models import Block, add_decay_into_grads, backward_microbatches, loss_fn, make_batches, make_model, make_optimizer, max_param_diff, train_reference
 
 TOL = 1e-5

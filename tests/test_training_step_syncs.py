@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megatron_fsdp.training.data import BatchLayout, MockDataset
-from megatron_fsdp.training.lr_schedule import LRDecayStyle, LRSchedule
+from megatron_fsdp.training.optim.lr_schedule import LRDecayStyle, LRSchedule
 from megatron_fsdp.training.model_setup import ModelBundle
 from megatron_fsdp.training.training_step import NaNLossError, StepContext, TrainState, evaluate, train_step
 

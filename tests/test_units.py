@@ -5,7 +5,7 @@ import torch
 import torch.nn as nn
 
 import megatron_fsdp as mf
-from megatron_fsdp.units import merge_units, owned_numels, plan_merge
+from megatron_fsdp.buffers.units import merge_units, owned_numels, plan_merge
 from models import Block, loss_fn, make_batches, make_model
 
 

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import megatron_fsdp as mf
-from megatron_fsdp.state_dict import chunk_rows
+from megatron_fsdp.state.model_state_dict import chunk_rows
 from models import Block, loss_fn, make_batches, make_model, make_optimizer, train_reference
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]

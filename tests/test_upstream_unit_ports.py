@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 import megatron_fsdp as mf
 from megatron_fsdp import MixedPrecisionPolicy, fully_shard, fully_shard_model, fully_shard_optimizer
-from megatron_fsdp.distributed_data_parallel import FullyShardedDataParallel
+from megatron_fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
 from megatron_fsdp.experimental import DBuffer, Flat, Placements
 from megatron_fsdp.experimental import fully_shard as exp_fully_shard
 from megatron_fsdp.experimental import fully_shard_context

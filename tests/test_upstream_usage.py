@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import megatron_fsdp as mf
 from megatron_fsdp import MixedPrecisionPolicy, fully_shard, fully_shard_model, fully_shard_optimizer
-from megatron_fsdp.distributed_data_parallel import FullyShardedDataParallel
+from megatron_fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
 from models import (
     Block, loss_fn, make_batches, make_model, make_optimizer, max_param_diff, train_reference, train_steps,
 )

@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from .inflight import check_release
+from ..comm.release_after_wait import check_release
 
 
 @dataclasses.dataclass

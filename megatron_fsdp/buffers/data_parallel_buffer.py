@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from .allocator import StorageResizeAllocator
-from .enums import BucketStatus
+from ..enums import BucketStatus
 from .layout import BucketLayout
 
 

@@ -111,7 +111,7 @@ def verify(value: DTensor, cls: type) -> None:
     if type(value.detach()) is not cls:
         raise RuntimeError(
             f"torch {torch.__version__} does not route {cls.__name__}'s ops through {ROUTE.value} "
-            f"([Note: DTensor subclass routes] in megatron_fsdp/dtensor_route.py): its guards against wrong "
+            f"([Note: DTensor subclass routes] in megatron_fsdp/buffers/dtensor_dispatch.py): its guards against wrong "
             f"DTensor results could not run. Set {_ENV}=torch_function (or torch_dispatch) to take the other "
             f"route, and please report this torch version"
         )

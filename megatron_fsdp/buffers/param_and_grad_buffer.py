@@ -18,7 +18,7 @@ the dp-shard reduce-scatter produces and accumulates.
 The module's own parameters ("compute parameters") have their ``.data``
 re-pointed into the model-weight bucket, so gathering a bucket makes every
 parameter of the group usable at once with no copy. They are registered on the
-module only while it runs (param_swap.py [Note: registered parameters]).
+module only while it runs (registered_params.py [Note: registered parameters]).
 """
 
 from __future__ import annotations
@@ -34,16 +34,15 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from .allocator import BufferAccounting, BufferPool, StorageResizeAllocator
-from .buffer import DataParallelBuffer
-from .distributed_index import DataParallelGroups, FSDPDistributedIndex
-from .enums import ShardingStrategy
+from .data_parallel_buffer import DataParallelBuffer
+from ..comm.distributed_index import DataParallelGroups, FSDPDistributedIndex
+from ..enums import ShardingStrategy
 from .layout import BucketLayout
-from .marks import is_expert_param, is_fsdp_no_shard, restore_marks
-from .mixed_precision import MixedPrecisionPolicy
+from ..param_marks import is_expert_param, is_fsdp_no_shard, restore_marks
+from ..mixed_precision import MixedPrecisionPolicy
 from .piece_dtensor import FLAT_START_ATTR, piece_dtensor
 from .units import plan_merge
 from .unsynced_grad import unsynced_grad
-from .utils import make_fsdp_dtensor  # noqa: F401  upstream's home of it: Megatron-LM imports it from here
 
 logger = logging.getLogger(__name__)
 
@@ -221,7 +220,7 @@ class ParamAndGradBuffer:
         """Compute parameter -> name, in the module's ``named_parameters`` order."""
         self.param_names: dict[nn.Parameter, str] = dict(self._compute_names)
         """Compute *or* distributed parameter -> name: the module registers either
-        (param_swap.py [Note: registered parameters]), and lookups by a parameter
+        (registered_params.py [Note: registered parameters]), and lookups by a parameter
         walked from the module must find both."""
         self._bucket_views: dict[nn.Parameter, torch.Tensor] = {}
         self.groups: list[ParameterGroup] = self._build_groups(module, unit_modules)
@@ -365,7 +364,7 @@ class ParamAndGradBuffer:
         value = self.as_dtensor(group, local, compute)
         dist_param = nn.Parameter(value, requires_grad=compute.requires_grad)
         # Megatron's conventions, read from the module's parameters (which between
-        # steps are these: param_swap.py), as upstream's distributed parameters carry them.
+        # steps are these: registered_params.py), as upstream's distributed parameters carry them.
         for attr in MEGATRON_PARAM_ATTRS:
             if hasattr(compute, attr):
                 setattr(dist_param, attr, getattr(compute, attr))
@@ -390,7 +389,7 @@ class ParamAndGradBuffer:
         A sharded piece is a 1-D slice of the flat buffer, possibly uneven or empty:
         a ``PieceDTensor``, on which what DTensor would compute wrongly from such a
         split raises (piece_dtensor.py [Note: flat pieces]; state dicts supply real
-        offsets separately: see state_dict.py). Replicated groups inside a sharded
+        offsets separately: see model_state_dict.py). Replicated groups inside a sharded
         model become Replicate DTensors, so one optimizer sees one kind."""
         placements = group.dp.placements
         if not group.strategy.shards_optimizer:

@@ -38,7 +38,7 @@ import sys
 import torch
 from torch.distributed.tensor import DTensor, Partial, Shard
 
-from . import dtensor_route
+from . import dtensor_dispatch as dtensor_route
 
 __all__ = ["AUTOGRAD_INPUTS_MESSAGE", "EXTREME_NORMS", "FLAT_START_ATTR", "PieceDTensor", "RANDOM_FILLS",
            "TRUNC_NORMAL_REFUSED", "init_caller", "is_flat_piece", "piece_dtensor", "stand_in_for_empty_locals"]

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from . import inflight, p2p_transport
+from . import release_after_wait as inflight, p2p_transport
 
 
 @dataclasses.dataclass

@@ -16,7 +16,7 @@ host sync). The design this module provides for the pipelines::
   ready (copy-in of gradients, the previous release of a bucket); consumers wait for
   the event recorded after the collective. Ordering is by events, never by
   ``synchronize()``.
-* Memory lifetime follows [Note: release after wait] (inflight.py): a bucket is
+* Memory lifetime follows [Note: release after wait] (release_after_wait.py): a bucket is
   released only after its collective's ``wait()``, on the compute stream, so the
   caching allocator may reuse it at once: reshard events replace
   ``record_stream``. This needs torch >= 2.8, where NCCL work holds its tensors

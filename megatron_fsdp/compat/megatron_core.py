@@ -19,7 +19,7 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 
-from . import device
+from ..comm import device
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@ placements along each mesh axis, storage release / reallocation, and
 redistribution (all-gather, reduce-scatter, all-reduce, local scatter) that can
 write into a preallocated ``out=`` buffer.
 
-Communication goes through ``megatron_fsdp.collectives`` (so it is counted by
+Communication goes through ``megatron_fsdp.comm.collectives`` (so it is counted by
 ``record_collectives``, labelled for the profiler, and uses the point-to-point
 gloo transport on CPU); asynchronous collectives leave a pending handle on the
 destination that ``wait()`` completes.
@@ -21,9 +21,9 @@ from torch.distributed import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor.placement_types import Placement
 
-from .. import collectives
-from ..allocator import StorageResizeAllocator, is_allocated
-from ..device import current_stream
+from ..comm import collectives
+from ..buffers.allocator import StorageResizeAllocator, is_allocated
+from ..comm.device import current_stream
 from .layout import GlobalLayout, non_leading_numel
 from .dtensor import flat_dtensor
 from .placement import Flat, NestedRows, changed_mesh_axis, validate_placements

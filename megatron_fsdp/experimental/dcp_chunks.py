@@ -11,7 +11,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 
-from ..layout import flat_range_boxes
+from ..buffers.layout import flat_range_boxes
 
 
 def attach_dcp_chunks(local: torch.Tensor, global_shape: torch.Size, flat_start: int) -> None:

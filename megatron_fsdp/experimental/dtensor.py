@@ -43,8 +43,8 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.placement_types import Placement
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .. import dtensor_route
-from ..piece_dtensor import (
+from ..buffers import dtensor_dispatch as dtensor_route
+from ..buffers.piece_dtensor import (
     AUTOGRAD_INPUTS_MESSAGE, EXTREME_NORMS, RANDOM_FILLS, TRUNC_NORMAL_REFUSED, init_caller, is_foreach,
     stand_in_for_empty_locals,
 )
@@ -83,7 +83,7 @@ def _flat_spec(spec: DTensorSpec, placements=None) -> DTensorSpec:
 
 def _guard(func, types, args, kwargs, base):
     """The aten-level guard (module docstring); ``base`` computes an op as plain
-    DTensor does ([Note: DTensor subclass routes] in ``dtensor_route.py``)."""
+    DTensor does ([Note: DTensor subclass routes] in ``dtensor_dispatch.py``)."""
     if func in EXTREME_NORMS:  # an inf norm over ranks holding no rows
         args, kwargs = stand_in_for_empty_locals(func, args, kwargs, FlatDTensor)
     flats = _flat_axes((args, kwargs))

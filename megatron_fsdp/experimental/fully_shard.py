@@ -25,10 +25,10 @@ from torch import nn
 from torch.distributed import DeviceMesh
 from torch.distributed.tensor.placement_types import Placement
 
-from .. import device as device_lib
-from ..hooks import guard_hooks_under_compile
+from ..comm import device as device_lib
+from ..runtime.hooks import guard_hooks_under_compile
 from ..mixed_precision import MixedPrecisionPolicy
-from ..module_guards import refuse_new_parameters
+from ..runtime.wrapped_model_guards import refuse_new_parameters
 from .module import FsdpContext, FsdpModule
 from .parameter_group import owns_parameter
 
@@ -161,7 +161,7 @@ def fully_shard(
     except Exception:
         module.__class__ = original
         raise
-    # module_guards.py [Note: parameters added after wrapping]: the groups write their
+    # wrapped_model_guards.py [Note: parameters added after wrapping]: the groups write their
     # own parameters back into the modules, over any assigned later.
     refuse_new_parameters(module, owns=owns_parameter)
     return cast_module

@@ -1,7 +1,7 @@
 """Row-aligned global layout of the tensors in one DBuffer. Pure index math.
 
 A sharded parameter is exposed as a DTensor whose local part must be whole rows
-(dim-0 slices), so the flat layout of megatron_fsdp.layout.BucketLayout (which
+(dim-0 slices), so the flat layout of megatron_fsdp.buffers.layout.BucketLayout (which
 splits items anywhere) is not enough here. Each tensor starts at a multiple of its
 row size (``shape[1:].numel()``) and the total is padded to a multiple of
 ``lcm(row sizes) * shards``; every shard boundary is then a multiple of every row
@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from ..layout import ShardOverlap
+from ..buffers.layout import ShardOverlap
 
 __all__ = ["GlobalLayout", "non_leading_numel"]
 

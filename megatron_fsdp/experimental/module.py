@@ -37,10 +37,10 @@ from torch.distributed import DeviceMesh
 from torch.distributed.tensor.placement_types import Placement
 from torch.profiler import record_function
 
-from ..allocator import BufferAccounting, StorageResizeAllocator
-from ..module_guards import RefusesCopies, refuse_move
+from ..buffers.allocator import BufferAccounting, StorageResizeAllocator
+from ..runtime.wrapped_model_guards import RefusesCopies, refuse_move
 from ..mixed_precision import MixedPrecisionPolicy
-from ..outputs import grad_tensors, refuse_hidden_grad_tensors
+from ..runtime.backward_outputs import grad_tensors, refuse_hidden_grad_tensors
 from .parameter_group import FsdpParameterGroup, PendingReduction, get_containing_parameter_group, owns_parameter
 from .placement import specialize_placements
 
@@ -143,7 +143,7 @@ class FsdpContext:
 
 class FsdpModule(RefusesCopies):
     """Mixed into a module's class by ``fully_shard``; the module keeps its identity.
-    Copying or pickling it raises with the remedy (module_guards.py)."""
+    Copying or pickling it raises with the remedy (wrapped_model_guards.py)."""
 
     _FULL_WEIGHTS = "megatron_fsdp.experimental.full_state_dict(model)"
 

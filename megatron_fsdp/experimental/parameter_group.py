@@ -29,9 +29,9 @@ from torch.distributed.tensor import Partial, Replicate
 from torch.distributed.tensor.placement_types import Placement
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..allocator import StorageResizeAllocator
+from ..buffers.allocator import StorageResizeAllocator
 from ..mixed_precision import MixedPrecisionPolicy
-from ..param_swap import data_assignment_message, share_grad_hooks, wrapper_address
+from ..runtime.registered_params import data_assignment_message, share_grad_hooks, wrapper_address
 from .dbuffer import DBuffer
 from .placement import changed_mesh_axis
 
@@ -72,7 +72,7 @@ class FsdpParameter:
     unsharded: nn.Parameter
     sharded_address: Optional[int] = None
     """``wrapper_address(sharded)`` at sharding: a ``.data =`` assignment moves it
-    (param_swap.py [Note: data assignment])."""
+    (registered_params.py [Note: data assignment])."""
 
 
 class FsdpParameterGroup:

@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .. import device
+from ..comm import device
 from .config import GPTConfig, MoELoadBalancing, Normalization, PositionEmbeddingType, RecomputeGranularity
 from .layers import ZeroCenteredNorm
 
@@ -171,7 +171,7 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 
 
 def _transformer_config(cfg: GPTConfig, args: argparse.Namespace, *, cross_entropy_loss_fusion: bool = False):
-    from megatron_fsdp.megatron_core_compat import transformer_config_from_args
+    from megatron_fsdp.compat.megatron_core import transformer_config_from_args
 
     changes: dict = {}
     if cross_entropy_loss_fusion:
@@ -235,7 +235,7 @@ def build_mcore_gpt(cfg: GPTConfig, *, seed: int = 1234, params_dtype: torch.dty
     Needs megatron-core and an initialised ``torch.distributed`` (its parallel state
     is set up for TP = PP = EP = 1 if it is not yet). Weights come from torch's
     global RNG: seed it first for reproducible weights."""
-    from megatron_fsdp.megatron_core_compat import ensure_model_parallel_initialized, require_megatron_core
+    from megatron_fsdp.compat.megatron_core import ensure_model_parallel_initialized, require_megatron_core
 
     require_megatron_core("build_mcore_gpt (--use-mcore-models)")
     reasons = mcore_unsupported(cfg)

@@ -4,7 +4,7 @@ expert bias, Sinkhorn, balancing losses -- lives in ``router.py``.
 
 [Note: expert parameters] Every expert's parameters carry Megatron's mark
 ``param.allreduce = False``. megatron_fsdp reads that mark
-(``megatron_fsdp.marks.is_expert_param``) and keeps those parameters in their
+(``megatron_fsdp.param_marks.is_expert_param``) and keeps those parameters in their
 own buffers on the expert data-parallel group of ``expt_device_mesh``; pass one
 when wrapping (``expert_device_mesh()`` builds it for expert-parallel size 1,
 where every rank holds every expert). The attribute is Megatron's public
@@ -40,7 +40,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..marks import is_expert_param
+from ..param_marks import is_expert_param
 from .config import GPTConfig, MoELoadBalancing, ScoreFunction
 from .layers import MLP, SharedExpertGate
 from .losses import AttachLossGradient
@@ -71,7 +71,7 @@ def expert_device_mesh(device_type: str):
     """The expert data-parallel mesh for expert-parallel size 1: the same ranks and
     dimension names as megatron_fsdp's default mesh, so ``fully_shard(...,
     expt_device_mesh=expert_device_mesh("cpu"))`` puts the experts on it."""
-    from ..distributed_index import build_default_mesh
+    from ..comm.distributed_index import build_default_mesh
 
     return build_default_mesh(device_type)
 

@@ -15,9 +15,9 @@ from typing import Iterable, Optional
 
 import torch
 
-from . import collectives
-from .enums import BucketStatus
-from .param_and_grad_buffer import ParameterGroup
+from ..comm import collectives
+from ..enums import BucketStatus
+from ..buffers.param_and_grad_buffer import ParameterGroup
 
 
 class AllGatherPipeline:

@@ -64,13 +64,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import collectives, te_compat
-from .allocator import StorageResizeAllocator
-from .enums import ShardingStrategy
-from .mixed_precision import MixedPrecisionPolicy
+from ..comm import collectives
+from ..compat import transformer_engine as te_compat
+from ..buffers.allocator import StorageResizeAllocator
+from ..enums import ShardingStrategy
+from ..mixed_precision import MixedPrecisionPolicy
 from .nan_check import NonFiniteGradTracker
-from .param_and_grad_buffer import ParameterGroup
-from .streams import CommStreams, StreamKind
+from ..buffers.param_and_grad_buffer import ParameterGroup
+from ..comm.streams import CommStreams, StreamKind
 
 logger = logging.getLogger(__name__)
 

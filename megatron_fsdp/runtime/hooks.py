@@ -31,11 +31,11 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.profiler import record_function
 
 from .all_gather_pipeline import AllGatherPipeline
-from .enums import ShardingStrategy, TrainingState
+from ..enums import ShardingStrategy, TrainingState
 from .grad_reduce_pipeline import GradReducePipeline
-from .outputs import grad_tensors, refuse_hidden_grad_tensors
-from .param_and_grad_buffer import ParamAndGradBuffer, ParameterGroup
-from .param_swap import direct_call_message
+from .backward_outputs import grad_tensors, refuse_hidden_grad_tensors
+from ..buffers.param_and_grad_buffer import ParamAndGradBuffer, ParameterGroup
+from .registered_params import direct_call_message
 from .unit_schedule import UnitSchedule, finish_order
 
 logger = logging.getLogger(__name__)
@@ -121,7 +121,7 @@ class HookRuntime:
     ) -> None:
         """``params_registered``: whether the module's compute parameters are registered
         (inside the wrapper's forward or a backward): a unit's forward outside that is
-        a direct call (param_swap.py [Note: direct calls of the wrapped module])."""
+        a direct call (registered_params.py [Note: direct calls of the wrapped module])."""
         self.params_registered = params_registered
         self.buffer = buffer
         self.units = units

@@ -19,8 +19,8 @@ import logging
 import torch
 import torch.nn as nn
 
-from .marks import pop_marks, restore_marks
-from .param_and_grad_buffer import ParamAndGradBuffer
+from ..param_marks import pop_marks, restore_marks
+from ..buffers.param_and_grad_buffer import ParamAndGradBuffer
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
-from . import collectives
+from ..comm import collectives
 
 
 def _nonfinite(flat: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from torch.utils.weak import WeakIdKeyDictionary
 
 if TYPE_CHECKING:
-    from .megatron_fsdp import MegatronFSDP
+    from ..megatron_fsdp import MegatronFSDP
 
 
 class OwnerMap:

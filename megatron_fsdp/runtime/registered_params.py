@@ -107,7 +107,7 @@ def data_assignment_message(name: str) -> str:
     return (
         f"{name}.data was assigned after wrapping (param.data = value, or torch.nn.utils.vector_to_parameters): on "
         "megatron_fsdp's DTensor parameters that replaces only the wrapper, not the values the optimizer and the "
-        "forward use, so training would go on from the old weights ([Note: data assignment] in param_swap.py); "
+        "forward use, so training would go on from the old weights ([Note: data assignment] in registered_params.py); "
         "the assignment changed no weight. Load new values with model.load_state_dict({name: full_tensor, ...}, "
         "strict=False), or edit in place under torch.no_grad() (p.mul_(...), p.zero_(), "
         "torch.nn.init.constant_(p, v))"
@@ -206,7 +206,7 @@ class RegisteredParams:
         for r in self._registrations:
             current = r.module._parameters.get(r.name)
             if current is not r.dist:
-                # module_guards.py [Note: parameters added after wrapping]: a deletion, a
+                # wrapped_model_guards.py [Note: parameters added after wrapping]: a deletion, a
                 # parametrization that moved the parameter, or functional_call's swap
                 # (which writes ``_parameters`` directly) escapes the registration hooks.
                 message = _REMOVED_MESSAGE if current is None else _SWAPPED_MESSAGE

@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.distributed as dist
 
-from . import collectives
-from .enums import BucketStatus, ShardingStrategy
+from ..comm import collectives
+from ..enums import BucketStatus, ShardingStrategy
 
 if TYPE_CHECKING:
     from .all_gather_pipeline import AllGatherPipeline
-    from .distributed_index import FSDPDistributedIndex
-    from .param_and_grad_buffer import ParamAndGradBuffer
+    from ..comm.distributed_index import FSDPDistributedIndex
+    from ..buffers.param_and_grad_buffer import ParamAndGradBuffer
 
 
 class EditKind(enum.Enum):

@@ -19,7 +19,7 @@ global registration hooks, assigning a parameter the wrapper does not own to a
 wrapped module, or attaching a submodule that holds one, raises before anything is
 assigned. Submodules holding only the wrapper's parameters (an activation-checkpoint
 wrapper around a block) attach as before and are guarded too; ``del`` of a parameter
-is caught at the next forward (param_swap.py).
+is caught at the next forward (registered_params.py).
 
 Moving or casting it after wrapping (``model.to(device)``, ``.cuda()``, ``.half()``)
 would replace tensors that are views of those buffers (torch failed inside with

@@ -26,9 +26,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.utils._pytree import tree_map
 
-from .optimizer import init_optimizer_state
+from ..optimizer import init_optimizer_state
 from .optimizer_state_dict import indexed_params
-from .state_dict import StateDictMismatchError, clone_for_load, state_dicts_on
+from .model_state_dict import StateDictMismatchError, clone_for_load, state_dicts_on
 
 logger = logging.getLogger(__name__)
 

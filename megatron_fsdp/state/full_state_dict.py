@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.distributed as dist
 
-from . import collectives
-from .state_dict import _alias_names, _persistent_buffers, extra_states, torch_key
+from ..comm import collectives
+from .model_state_dict import _alias_names, _persistent_buffers, extra_states, torch_key
 
 if TYPE_CHECKING:
-    from .megatron_fsdp import MegatronFSDP
-    from .param_and_grad_buffer import ParameterGroup
+    from ..megatron_fsdp import MegatronFSDP
+    from ..buffers.param_and_grad_buffer import ParameterGroup
 
 
 @torch.no_grad()

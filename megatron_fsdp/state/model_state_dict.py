@@ -28,11 +28,11 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from .owners import owner_of
+from ..runtime.owners import owner_of
 from .uneven_dtensor import uneven_dtensor_to_full_tensor
 
 if TYPE_CHECKING:
-    from .megatron_fsdp import MegatronFSDP
+    from ..megatron_fsdp import MegatronFSDP
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 [Note: standard optimizer state] The optimizer steps the distributed parameters:
 DTensors whose local tensor is a flat 1-D slice of the group's flat buffer,
 possibly uneven, empty or starting mid-row (see [Note: standard state-dict
-DTensors] in state_dict.py). Its per-parameter state (Adam's moments) is cut the
+DTensors] in model_state_dict.py). Its per-parameter state (Adam's moments) is cut the
 same way. No DTensor placement describes such a slice, so ``optimizer.state_dict()``
 does not hand it out: a post-hook (``Optimizer.register_state_dict_post_hook``,
 torch's extension point; no closure is stored on any tensor, so the result
@@ -37,13 +37,13 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from .full_state_dict import gather_items_to, gather_unsharded
-from .owners import owner_of
-from .piece_dtensor import PieceDTensor, piece_dtensor
-from .state_dict import full_value, standard_dtensor
+from ..runtime.owners import owner_of
+from ..buffers.piece_dtensor import PieceDTensor, piece_dtensor
+from .model_state_dict import full_value, standard_dtensor
 
 if TYPE_CHECKING:
-    from .megatron_fsdp import MegatronFSDP
-    from .param_and_grad_buffer import ParameterGroup
+    from ..megatron_fsdp import MegatronFSDP
+    from ..buffers.param_and_grad_buffer import ParameterGroup
 
 
 def indexed_params(optimizer: torch.optim.Optimizer) -> dict[int, torch.Tensor]:

@@ -1,5 +1,5 @@
 """DTensors whose shards are uneven along their sharded dimension: helpers under
-upstream's module name ``megatron_fsdp.uneven_dtensor``.
+upstream's module name ``megatron_fsdp.state.uneven_dtensor``.
 
 Standard DTensor APIs assume ``torch.chunk``-style shards (ceil-sized, the last
 ones short or empty). A DTensor built with ``DTensor.from_local`` from shards of
@@ -15,7 +15,7 @@ would misplace it. These helpers learn every rank's real extent with one small
 * ``split_dtensor``: split along a dimension without any communication of data.
 
 ``model.state_dict()`` and ``optimizer.state_dict()`` of this package already
-hold standard shards (state_dict.py, optimizer_state_dict.py), so none of this is
+hold standard shards (model_state_dict.py, optimizer_state_dict.py), so none of this is
 needed for our own checkpoints; loading accepts uneven DTensors (their real
 extents, through ``uneven_dtensor_to_full_tensor``). All of it is collective
 over the DTensor's mesh. ``make_fsdp_dtensor`` (utils.py) builds upstream's.
@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from .piece_dtensor import PieceDTensor
+from ..buffers.piece_dtensor import PieceDTensor
 
 __all__ = [
     "filter_unflattened_state_dict",

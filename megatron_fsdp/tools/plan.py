@@ -1,6 +1,6 @@
 """What a sharded model holds per rank and moves per step, before any GPU is touched.
 
-``python -m megatron_fsdp.plan --model 8b --world 1024 --strategy optim_grads_params``
+``python -m megatron_fsdp.tools.plan --model 8b --world 1024 --strategy optim_grads_params``
 prints, for one rank, the persistent bytes by role (model weights, main weights,
 main gradients, optimizer state) and the collectives of one steady-state step
 (count and payload bytes per kind). ``--check`` then builds the same model through
@@ -44,10 +44,10 @@ from typing import Optional, Sequence
 import torch
 import torch.nn as nn
 
-from .enums import ShardingStrategy
-from .models import presets as model_presets
-from .models.gpt import GPT, GPTConfig, TransformerBlock
-from .units import NO_SHARD_UNIT_SIZE, plan_merge
+from ..enums import ShardingStrategy
+from ..models import presets as model_presets
+from ..models.gpt import GPT, GPTConfig, TransformerBlock
+from ..buffers.units import NO_SHARD_UNIT_SIZE, plan_merge
 
 logger = logging.getLogger(__name__)
 
@@ -304,7 +304,7 @@ def format_plan(plan: Plan) -> str:
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m megatron_fsdp.plan", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m megatron_fsdp.tools.plan", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="8b", help=f"preset: {', '.join(model_names())}")
     parser.add_argument("--world", type=int, default=8, help="data-parallel ranks")
     parser.add_argument("--strategy", default="optim_grads_params", help="0-3, a strategy name, or 'all'")

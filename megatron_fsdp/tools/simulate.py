@@ -14,7 +14,7 @@ are meaningless. For large models (``steps=0``) the step's collectives are
 counted from the engine's built groups and units instead of by running it.
 
 The fake group must not meet a real one: run this in a process of its own
-(``python -m megatron_fsdp.plan --check`` does).
+(``python -m megatron_fsdp.tools.plan --check`` does).
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .collectives import record_collectives
-from .enums import ShardingStrategy
-from .fully_shard import fully_shard
-from .mixed_precision import MixedPrecisionPolicy
-from .models.gpt import TransformerBlock, gpt_loss
+from ..comm.collectives import record_collectives
+from ..enums import ShardingStrategy
+from ..fully_shard import fully_shard
+from ..mixed_precision import MixedPrecisionPolicy
+from ..models.gpt import TransformerBlock, gpt_loss
 from .plan import Plan, PlanRequest, build_meta_gpt
 
 

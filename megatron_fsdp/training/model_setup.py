@@ -24,13 +24,13 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import megatron_fsdp as mf
-from megatron_fsdp import device as device_mod
+from megatron_fsdp.comm import device as device_mod
 from megatron_fsdp.models.gpt import GPT, GPTConfig, TransformerBlock
 # LogitsGradInBF16 lived here before: importable from here still.
 from megatron_fsdp.models.losses import LogitsGradInBF16, token_cross_entropy  # noqa: F401
 
 from . import torch_fsdp2
-from .arg_types import DataParallelPath, Precision
+from .args.arg_types import DataParallelPath, Precision
 
 
 _PRECISION_DTYPES = {Precision.FP32: torch.float32, Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
@@ -383,7 +383,7 @@ def ddp_config_from_args(args) -> mf.DistributedDataParallelConfig:
 def _wrap_megatron_fsdp(module: nn.Module, args, device: torch.device, unit_modules) -> nn.Module:
     ddp_config = ddp_config_from_args(args)
     if args.use_mcore_models:
-        from megatron_fsdp.distributed_data_parallel import FullyShardedDataParallel
+        from megatron_fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
 
         return FullyShardedDataParallel(config=module.config, ddp_config=ddp_config, module=module,
                                         fsdp_unit_modules=unit_modules, device=device)
@@ -487,7 +487,7 @@ def build_optimizer(model: nn.Module, args) -> torch.optim.Optimizer:
     if args.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=args.lr, momentum=args.sgd_momentum)
     if args.optimizer == "muon":  # Muon on the hidden matrices, AdamW on the rest (muon_optimizer.py)
-        from .muon_optimizer import build_muon_optimizer
+        from .optim.muon_optimizer import build_muon_optimizer
 
         return build_muon_optimizer(model, groups, args)
     return torch.optim.AdamW(groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)

@@ -39,10 +39,10 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from megatron_fsdp import device as device_mod
+from megatron_fsdp.comm import device as device_mod
 from megatron_fsdp.models.gpt import GPT
 
-from .arg_types import Precision
+from .args.arg_types import Precision
 
 _COMPUTE_DTYPES = {Precision.FP32: None, Precision.BF16: torch.bfloat16}
 

@@ -22,10 +22,10 @@ import torch.distributed as dist
 
 from ..models.router import balancing_logged_as_rank_sum, finish_global_batch
 from .data import BatchLayout, SampleSource, get_microbatch
-from .loss_scaler import LossScaler
-from .lr_schedule import LRSchedule
+from .optim.loss_scaler import LossScaler
+from .optim.lr_schedule import LRSchedule
 from .model_setup import ModelBundle
-from .timers import Timers
+from .observe.timers import Timers
 
 
 class NaNLossError(RuntimeError):

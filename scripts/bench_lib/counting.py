@@ -14,9 +14,9 @@ all-reduce or broadcast.
   patched function found in an imported module (outside ``torch.distributed``'s own
   ``distributed_c10d``) and reports where it did so.
 * megatron_fsdp over gloo moves its all-gathers and reduce-scatters as
-  point-to-point messages (``megatron_fsdp/p2p_transport.py``), which no wrapper
+  point-to-point messages (``megatron_fsdp/comm/p2p_transport.py``), which no wrapper
   of a torch collective sees. Its collective entry points
-  (``megatron_fsdp.collectives.all_gather`` ...) are therefore wrapped too, with
+  (``megatron_fsdp.comm.collectives.all_gather`` ...) are therefore wrapped too, with
   the same payload definition; a torch collective called inside one of them (the
   native path, e.g. NCCL) is not counted a second time.
 * DDP's reducer all-reduces from C++. A communication hook that delegates to
@@ -67,7 +67,7 @@ _TARGETS: dict[str, tuple[str, str, Callable[[Any], int]]] = {
 }
 
 
-# megatron_fsdp.collectives function -> the same triple.
+# megatron_fsdp.comm.collectives function -> the same triple.
 _PACKAGE_TARGETS: dict[str, tuple[str, str, Callable[[Any], int]]] = {
     "all_gather": ("all_gather", "output", _nbytes),
     "reduce_scatter": ("reduce_scatter", "full", _nbytes),
@@ -145,12 +145,12 @@ class CollectiveCounter:
                 if entry is not None and callable(value):
                     setattr(module, attr, entry[1])
                     self.patch_sites.append(f"{module_name}.{attr}")
-        package = sys.modules.get("megatron_fsdp.collectives")
+        package = sys.modules.get("megatron_fsdp.comm.collectives")
         for name in _PACKAGE_TARGETS if package is not None else ():
             original = getattr(package, name)
             if not hasattr(original, "__bench_original__"):
                 setattr(package, name, self.wrap(name, original, _PACKAGE_TARGETS))
-                self.patch_sites.append(f"megatron_fsdp.collectives.{name}")
+                self.patch_sites.append(f"megatron_fsdp.comm.collectives.{name}")
         logger.info("collective counter installed at: %s", ", ".join(self.patch_sites))
 
     def ddp_hook(self, base_hook: Callable) -> Callable:

@@ -124,7 +124,7 @@ def build_parser(table: Optional[FlagTable] = None) -> MegatronArgumentParser:
     parser = MegatronArgumentParser(
         prog="pretrain_gpt.py",
         description="Megatron-LM style GPT pretraining with megatron_fsdp (or PyTorch DDP for comparison). "
-                    "Every Megatron-LM flag is recognised; see megatron_fsdp/training/flag_data/.",
+                    "Every Megatron-LM flag is recognised; see megatron_fsdp/training/args/flag_data/.",
         allow_abbrev=False,
     )
     groups: dict[str, Any] = {}

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 
-from ..models.yarn import yarn_mscale
+from ...models.yarn import yarn_mscale
 
 # Flags that only multi-latent attention reads (Megatron-LM's "mla" group and --rope-type).
 MLA_ONLY_FLAGS = ("--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim", "--v-head-dim",

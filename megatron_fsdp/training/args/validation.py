@@ -17,11 +17,12 @@ import math
 import os
 import re
 
-from .. import device as device_mod
-from ..enums import ShardingStrategy
-from ..models.config import megatron_swiglu_ffn_hidden_size
-from . import (activation_offload_flags, determinism, mla_flags, mtp_flags, muon_flags, tokenizers,
-               torch_fsdp2_flags)
+from ...comm import device as device_mod
+from ...enums import ShardingStrategy
+from ...models.config import megatron_swiglu_ffn_hidden_size
+from . import activation_offload_flags, mla_flags, mtp_flags, muon_flags, torch_fsdp2_flags
+from .. import determinism
+from ..data import tokenizers
 from .arg_types import BYTE_VOCAB_SIZE, DataParallelPath, LRDecayStyle, Precision, TokenizerType, recompute_granularity
 from .flag_table import FlagSpec, FlagStatus
 
@@ -40,7 +41,7 @@ def flag_policy(args: argparse.Namespace, given: dict[str, FlagSpec]) -> tuple[l
         match spec.status:
             case FlagStatus.UNLISTED:
                 problems.append(f"{flag} is a Megatron-LM flag ({spec.group}) that this launcher does not implement; "
-                                "drop it (megatron_fsdp/training/flag_data/launcher_flags.table lists what is "
+                                "drop it (megatron_fsdp/training/args/flag_data/launcher_flags.table lists what is "
                                 "supported)")
             case FlagStatus.REJECTED:
                 problems.append(f"{shown}: {spec.note}")
@@ -229,7 +230,7 @@ def _model_features(args, world_size) -> list[str]:
         problems += _moe_router_problems(args)
     if args.use_mcore_models:
         return problems + _mcore_model_problems(args)
-    from .model_setup import missing_model_fields
+    from ..model_setup import missing_model_fields
 
     for flag, field in missing_model_fields(args):
         problems.append(f"{flag} needs the embedded model's GPTConfig.{field}, which this checkout does not have; "
@@ -240,7 +241,7 @@ def _model_features(args, world_size) -> list[str]:
 def _moe_router_problems(args) -> list[str]:
     """megatron-core's router rules (``GPTConfig._check_router``, which mirrors its
     TransformerConfig) on the router flags, at parse time, in flag names."""
-    from ..models.config import GPTConfig
+    from ...models.config import GPTConfig
 
     first = lambda v: v[0] if isinstance(v, list) else v  # noqa: E731  (nargs="+", one value checked above)
     try:
@@ -360,7 +361,7 @@ def _eval_batch(args, world_size) -> list[str]:
 
 def _batch_rampup(args, world_size) -> list[str]:
     """--rampup-batch-size / --step-batch-size-schedule / --decrease-batch-size-if-needed (microbatches.py)."""
-    from .microbatches import batch_problems
+    from ..microbatches import batch_problems
 
     return batch_problems(args, world_size)
 
@@ -510,14 +511,14 @@ def _data(args, world_size) -> list[str]:
             and args.vocab_size != BYTE_VOCAB_SIZE and not args.mock_data:
         problems.append(f"--vocab-size={args.vocab_size} needs --tokenizer-type NullTokenizer (or --mock-data); "
                         f"the byte tokenizer has {BYTE_VOCAB_SIZE} tokens")
-    from .data import data_args_problems
+    from ..data import data_args_problems
 
     return problems + data_args_problems(args)
 
 
 def _fim(args, world_size) -> list[str]:
     """--fim-data and its flags (the data module's rules: data/fim.py)."""
-    from .data.fim import fim_problems
+    from ..data.fim import fim_problems
 
     return fim_problems(args)
 
@@ -532,7 +533,7 @@ def _io(args, world_size) -> list[str]:
         problems.append("--finetune needs --load DIR (the checkpoint whose weights to start from)")
     if args.async_save and args.save is None:
         problems.append("--async-save needs --save DIR")
-    from .torch_checkpoint import option_problems as torch_format_problems
+    from ..checkpoint.torch_checkpoint import option_problems as torch_format_problems
 
     problems += torch_format_problems(args)  # --ckpt-format torch's rules (Megatron-LM's and this launcher's)
     retain = args.save_retain_interval
@@ -630,7 +631,7 @@ def derive_fields(args: argparse.Namespace, world_size: int) -> None:
     if args.eval_micro_batch_size is None:
         args.eval_micro_batch_size = args.micro_batch_size
     args.eval_num_microbatches = args.eval_global_batch_size // (args.eval_micro_batch_size * world_size)
-    from .microbatches import BatchSchedule
+    from ..microbatches import BatchSchedule
 
     args.batch_schedule = BatchSchedule.from_args(args, world_size)
     if args.train_samples is not None:  # Megatron-LM's update_train_iters (ramp-up / step schedule included)

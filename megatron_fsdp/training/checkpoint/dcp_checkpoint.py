@@ -1,4 +1,4 @@
-"""Megatron-LM's checkpoint layout on top of ``megatron_fsdp.checkpoint``:
+"""Megatron-LM's checkpoint layout on top of ``megatron_fsdp.state.checkpoint``:
 ``<save>/iter_0000010/`` per saved iteration plus the tracker file
 ``latest_checkpointed_iteration.txt`` naming the newest complete one.
 
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from megatron_fsdp import device as device_mod
+from megatron_fsdp.comm import device as device_mod
 
 logger = logging.getLogger(__name__)
 
@@ -76,10 +76,10 @@ def _write_tracker(root: str, iteration: int) -> None:
 
 def _checkpoint_api():
     try:
-        from megatron_fsdp import checkpoint
+        from megatron_fsdp.state import checkpoint
     except ImportError as exc:
         raise RuntimeError(
-            f"--save/--load need megatron_fsdp.checkpoint (save_checkpoint/load_checkpoint), which this checkout "
+            f"--save/--load need megatron_fsdp.state.checkpoint (save_checkpoint/load_checkpoint), which this checkout "
             f"does not provide ({exc}); update megatron_fsdp or run without --save/--load"
         ) from exc
     return checkpoint
@@ -166,8 +166,8 @@ class AsyncSaver:
     def save(self, root: str, iteration: int, model, optimizer, extra_state: dict) -> None:
         self.finalize()
         # The same layout and per-rank extra-state files as the synchronous save.
-        from megatron_fsdp.checkpoint import EXTRA_STATE_FILE, _state
-        from megatron_fsdp.state_dict import clone_for_load
+        from megatron_fsdp.state.checkpoint import EXTRA_STATE_FILE, _state
+        from megatron_fsdp.state.model_state_dict import clone_for_load
         from torch.utils._pytree import tree_map
 
         rank = dist.get_rank()

@@ -38,7 +38,7 @@ optimizer's bucket layout, are not reproduced, and its optimizer state is not re
 FSDP's ``no_shard``/``optim`` strategies, whose main weights and optimizer state are
 DTensor pieces. The writer (global rank 0) collects them whole into its host memory
 shard by shard, one parameter group and state key at a time
-(``megatron_fsdp.full_state_dict.gather_items_to``, over a gloo group as Megatron-LM's
+(``megatron_fsdp.state.full_state_dict.gather_items_to``, over a gloo group as Megatron-LM's
 distributed-optimizer save does): no rank holds a group unsharded on the device and
 only rank 0's host holds the checkpoint; under ``no_shard`` every rank has it all and
 rank 0 copies its own. Loading: every rank reads the model file (as in Megatron-LM)
@@ -75,10 +75,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from megatron_fsdp.checkpoint import CheckpointReadError, CheckpointWriteError, file_sha256
-from megatron_fsdp.state_dict import StateDictMismatchError
+from megatron_fsdp.state.checkpoint import CheckpointReadError, CheckpointWriteError, file_sha256
+from megatron_fsdp.state.model_state_dict import StateDictMismatchError
 
-from .checkpointing import checkpoint_dir, checkpoint_module, publish_checkpoint, read_tracker
+from .dcp_checkpoint import checkpoint_dir, checkpoint_module, publish_checkpoint, read_tracker
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ class CheckpointFormat(enum.Enum):
     TORCH = "torch"
     """Legacy: one ``torch.save`` file from data-parallel rank 0 (this module)."""
     TORCH_DIST = "torch_dist"
-    """Megatron-LM's distributed format; DCP shards here (``checkpointing.py``)."""
+    """Megatron-LM's distributed format; DCP shards here (``dcp_checkpoint.py``)."""
     TORCH_DCP = "torch_dcp"
     """torch.distributed.checkpoint directories."""
     FSDP_DTENSOR = "fsdp_dtensor"
@@ -183,7 +183,7 @@ def holds_checkpoint(root: str, step: Optional[int] = None) -> bool:
 def engine_of(model):
     """The Megatron-FSDP engine (``MegatronFSDP``) training ``model``, or None for PyTorch
     DDP (whose module holds whole tensors on every rank)."""
-    from megatron_fsdp.distributed_data_parallel import FullyShardedDataParallel
+    from megatron_fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
     from megatron_fsdp.megatron_fsdp import MegatronFSDP
 
     if isinstance(model, FullyShardedDataParallel):
@@ -194,7 +194,7 @@ def engine_of(model):
 def _param_keys(model, engine, optimizer: torch.optim.Optimizer) -> list[list[tuple[str, list[str]]]]:
     """For each optimizer param group, each parameter's (name, every key the model
     entry holds it under: tied weights have several), as ``named_parameters`` names it."""
-    from megatron_fsdp.state_dict import _alias_names, torch_key
+    from megatron_fsdp.state.model_state_dict import _alias_names, torch_key
 
     keys_of: dict[int, tuple[str, list[str]]] = {}
     if engine is None:
@@ -234,9 +234,9 @@ def _gather_engine(engine, optimizer) -> Optional[dict]:
     """On rank 0: the model entry, the full fp32 main weights (by ``named_parameters``
     name) and torch.optim's state dict with whole tensors; None elsewhere. Collective
     ([Note: torch format on the sharded engine])."""
-    from megatron_fsdp.full_state_dict import gather_main_weights_to, module_state_dict_from
-    from megatron_fsdp.optimizer_state_dict import gather_optimizer_state_to
-    from megatron_fsdp.state_dict import torch_key
+    from megatron_fsdp.state.full_state_dict import gather_main_weights_to, module_state_dict_from
+    from megatron_fsdp.state.optimizer_state_dict import gather_optimizer_state_to
+    from megatron_fsdp.state.model_state_dict import torch_key
 
     sharded = any(g.strategy.shards_optimizer and g.optimizer_layout.world_size > 1
                   for g in engine.param_and_grad_buffer.groups)
@@ -460,7 +460,7 @@ def load(root: str, model, optimizer, *, step: Optional[int] = None, finetune: b
     if engine is None:
         checkpoint_module(model).load_state_dict(weights)
     else:
-        model.load_state_dict(weights)  # every rank keeps its piece of each whole tensor (state_dict.py)
+        model.load_state_dict(weights)  # every rank keeps its piece of each whole tensor (model_state_dict.py)
     if optimizer is not None:
         optimizer.load_state_dict(torch_optim)  # the engine's pre-hook cuts the pieces (optimizer_state_dict.py)
     logger.info("  successfully loaded checkpoint from %s [ iteration %d ] (torch format)", root, iteration)
@@ -475,7 +475,7 @@ def _live_model(model, engine) -> dict:
     gathering anything (the engine's distributed parameters carry whole shapes)."""
     if engine is None:
         return checkpoint_module(model).state_dict()
-    from megatron_fsdp.state_dict import sharded_state_dict
+    from megatron_fsdp.state.model_state_dict import sharded_state_dict
 
     return sharded_state_dict(engine, keep_vars=True, module_prefix=False, extra_state=True)
 

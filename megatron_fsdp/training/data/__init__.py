@@ -67,7 +67,7 @@ def data_args_problems(args) -> list[str]:
     (or one without train weight), tokenizer flags without their files, and --mock-data with
     --data-path. The launcher's validation calls this one function."""
     from megatron_fsdp.training.data.gpt_dataset import parse_split
-    from megatron_fsdp.training.tokenizers import tokenizer_problems
+    from megatron_fsdp.training.data.tokenizers import tokenizer_problems
 
     problems = []
     if getattr(args, "mock_data", False) and args.data_path:
@@ -88,7 +88,7 @@ def data_args_problems(args) -> list[str]:
 
 def build_tokenizer_from_args(args):
     """The tokenizer of the launcher's parsed flags (``--tokenizer-type`` and its file flags)."""
-    from megatron_fsdp.training.tokenizers import build_tokenizer
+    from megatron_fsdp.training.data.tokenizers import build_tokenizer
 
     kind = getattr(args, "tokenizer_type", None) or "ByteTokenizer"
     kind = getattr(kind, "value", kind)

@@ -15,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-from megatron_fsdp import device as device_mod
+from megatron_fsdp.comm import device as device_mod
 
 
 class SampleSource(Protocol):

@@ -50,7 +50,7 @@ from typing import Optional, Protocol, Sequence
 import numpy as np
 import torch
 
-from megatron_fsdp.training.tokenizers import END_OF_TEXT, GPT2BPETokenizer, TokenizerType, bytes_to_unicode
+from megatron_fsdp.training.data.tokenizers import END_OF_TEXT, GPT2BPETokenizer, TokenizerType, bytes_to_unicode
 
 
 class FimTokenError(ValueError):

@@ -9,9 +9,9 @@ validation before any process group) and ``build_datasets`` (here).
 
 from __future__ import annotations
 
-from . import data as data_mod
-from .arg_types import TokenizerType
-from .validation import padded_vocab_size
+from .. import data as data_mod
+from ..args.arg_types import TokenizerType
+from ..args.validation import padded_vocab_size
 
 _LOCAL_TOKENIZERS = (TokenizerType.BYTE.value, TokenizerType.NULL.value)
 

@@ -412,7 +412,7 @@ def _load_tokenizer_json(path: str):
 
 
 # ---------------------------------------------------------------------------------
-# SentencePiece (megatron_fsdp/training/sentencepiece_tokenizers.py)
+# SentencePiece (megatron_fsdp/training/data/sentencepiece_tokenizers.py)
 
 
 def _sentencepiece_module():

@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_fsdp import device as device_mod
+from megatron_fsdp.comm import device as device_mod
 
 logger = logging.getLogger("megatron_fsdp.pretrain")
 

@@ -17,7 +17,7 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_fsdp import device as device_mod
+from megatron_fsdp.comm import device as device_mod
 
 LEVEL_1 = ("forward-backward", "optimizer")
 LEVEL_2 = ("batch-generator", "forward-compute", "backward-compute")

@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from .arguments import LRDecayStyle
+from ..args.arguments import LRDecayStyle
 
 logger = logging.getLogger(__name__)
 
