@@ -21,6 +21,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from .comm.distributed_index import FSDPDistributedIndex, has_submesh
+from .megatron_fsdp import MegatronFSDP
+from .state.uneven_dtensor import update_uneven_dtensor_chunk_metadata, validate_uneven_dtensor
 
 __all__ = [
     "FSDPDistributedIndex",
@@ -42,8 +44,6 @@ __all__ = [
 def find_megatron_fsdp(model: Optional[nn.Module]):
     """The ``MegatronFSDP`` reached by following ``.module`` from ``model`` (wrapper
     chains such as Megatron's ``Float16Module`` or our ``FullyShardedDataParallel``), or ``None``."""
-    from .megatron_fsdp import MegatronFSDP  # the wrapper imports this package's modules
-
     while model is not None:
         if isinstance(model, MegatronFSDP):
             return model
@@ -215,8 +215,6 @@ def make_fsdp_dtensor(
     ``update_uneven_dtensor_chunk_meta`` tells DCP their real extents (both
     collective; uneven_dtensor.py). Megatron-core tensor-parallel parameters
     become tp DTensors first, so the result spans ``[outer,] dp_shard, tp``."""
-    from .state.uneven_dtensor import update_uneven_dtensor_chunk_metadata, validate_uneven_dtensor
-
     if not is_sharded_param and param.numel() != local_tensor.numel():
         raise ValueError(
             f"make_fsdp_dtensor: is_sharded_param=False but the local tensor {tuple(local_tensor.shape)} does not "

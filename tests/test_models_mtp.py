@@ -114,7 +114,7 @@ def test_mtp_config_and_megatron_core_refusals():
     with pytest.raises(ValueError, match="recompute_num_layers=1"):
         GPTConfig(**SMALL, mtp_num_layers=1, recompute_granularity="full", recompute_method="uniform",
                   recompute_num_layers=2)
-    from megatron_fsdp.models.mcore import megatron_core_rescales_per_token_mtp, per_token_rolled_count_problem
+    from megatron_fsdp.models.mcore_specs import megatron_core_rescales_per_token_mtp, per_token_rolled_count_problem
 
     if not megatron_core_rescales_per_token_mtp():  # megatron-core 0.16.1
         assert "--mtp-num-layers 2" in per_token_rolled_count_problem(2, True)

@@ -30,7 +30,7 @@ LARGE = os.environ.get("MFSDP_SCALE_LARGE") == "1"
 def run_plan(*args: str, timeout: float = 600) -> list[dict]:
     env = dict(os.environ, PYTHONPATH=ROOT)
     proc = subprocess.run(
-        [sys.executable, "-m", "megatron_fsdp.tools.plan", "--json", *args],
+        [sys.executable, "-m", "megatron_fsdp.tools.plan_cli", "--json", *args],
         capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout,
     )
     assert proc.returncode in (0, 1), proc.stderr[-4000:]

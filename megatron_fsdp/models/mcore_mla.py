@@ -31,7 +31,7 @@ from megatron.core.transformer import multi_latent_attention
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 from .config import GPTConfig
-from .mcore import swap_in_spec
+from .mcore_specs import swap_in_spec
 
 
 class MLADotProductAttention(DotProductAttention):

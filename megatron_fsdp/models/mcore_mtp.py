@@ -31,7 +31,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, MTPLossLoggingHelper
 
 from .config import GPTConfig
-from .mcore import megatron_core_rescales_per_token_mtp, per_token_rolled_count_problem
+from .mcore_specs import megatron_core_rescales_per_token_mtp, per_token_rolled_count_problem
 
 
 def mtp_block_spec(config, decoder_spec):

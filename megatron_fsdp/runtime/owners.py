@@ -4,17 +4,18 @@ Lookups from code that holds only a tensor (``fully_shard_optimizer``, the state
 builders, misuse checks). The maps hold neither side strongly: a wrapper holds its
 module and parameters, so a strong value would keep its own key, and with it the
 whole model and its buffers, alive for the life of the process.
+
+The owners are typed ``nn.Module``: this floor sits below the wrapper (``MegatronFSDP``,
+in the package root) and never imports it; callers know what they registered.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
+import torch.nn as nn
 from torch.utils.weak import WeakIdKeyDictionary
-
-if TYPE_CHECKING:
-    from ..megatron_fsdp import MegatronFSDP
 
 
 class OwnerMap:
@@ -23,10 +24,10 @@ class OwnerMap:
     def __init__(self) -> None:
         self._refs = WeakIdKeyDictionary()
 
-    def __setitem__(self, key: Any, owner: "MegatronFSDP") -> None:
+    def __setitem__(self, key: Any, owner: nn.Module) -> None:
         self._refs[key] = weakref.ref(owner)
 
-    def get(self, key: Any) -> Optional["MegatronFSDP"]:
+    def get(self, key: Any) -> Optional[nn.Module]:
         ref = self._refs.get(key)
         return None if ref is None else ref()
 
@@ -45,11 +46,11 @@ COMPUTE_OWNERS = OwnerMap()
 """Compute parameter (the wrapped module's own) -> its MegatronFSDP (misuse checks)."""
 
 
-def owner_of(param: Any) -> Optional["MegatronFSDP"]:
+def owner_of(param: Any) -> Optional[nn.Module]:
     return OWNERS.get(param)
 
 
-def compute_owner_of(param: Any) -> Optional["MegatronFSDP"]:
+def compute_owner_of(param: Any) -> Optional[nn.Module]:
     """The MegatronFSDP whose wrapped module holds ``param`` as a compute parameter."""
     return COMPUTE_OWNERS.get(param)
 

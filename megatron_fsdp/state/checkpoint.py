@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.utils._pytree import tree_map
 
-from ..optimizer import init_optimizer_state
+from .eager_state import init_optimizer_state
 from .optimizer_state_dict import indexed_params
 from .model_state_dict import StateDictMismatchError, clone_for_load, state_dicts_on
 

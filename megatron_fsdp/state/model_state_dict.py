@@ -22,17 +22,18 @@ import contextlib
 import logging
 from collections import OrderedDict
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional
+from typing import Any, Iterator, Mapping, Optional
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..runtime.owners import owner_of
+from .full_state_dict import gather_full_state_dict
+from .gather import gather_main_weights
+from .keys import alias_names, extra_states, persistent_buffers, torch_key
+from .sharded_model import ShardedModel
 from .uneven_dtensor import uneven_dtensor_to_full_tensor
-
-if TYPE_CHECKING:
-    from ..megatron_fsdp import MegatronFSDP
 
 logger = logging.getLogger(__name__)
 
@@ -127,43 +128,8 @@ def standard_dtensor(group, full: torch.Tensor) -> DTensor:
     return view.to(device, copy=True)
 
 
-CHECKPOINT_WRAPPER_SEGMENT = "_checkpoint_wrapped_module."
-"""The attribute torch's ``checkpoint_wrapper`` keeps its inner module under."""
-
-
-def torch_key(name: str) -> str:
-    """The key ``nn.Module.state_dict()`` gives the parameter or buffer ``name``.
-
-    [Note: checkpoint_wrapper keys] torch's ``checkpoint_wrapper`` registers
-    state-dict hooks that drop its ``_checkpoint_wrapped_module.`` segment, so a
-    plain model, FSDP2 and DSD (which refuses keys that keep it) all key
-    ``layers.0.weight``, not ``layers.0._checkpoint_wrapped_module.weight``. We
-    build our state dicts from parameter names, not through those hooks, so we drop
-    the segment ourselves; loading accepts either form."""
-    return name.replace(CHECKPOINT_WRAPPER_SEGMENT, "")
-
-
-EXTRA_STATE = "_extra_state"
-
-
-def extra_states(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """``(key, submodule)`` for every submodule with extra state (one that overrides
-    ``get_extra_state``, e.g. TransformerEngine's), keyed as ``nn.Module.state_dict()``
-    keys it (``<name>._extra_state``, ``torch_key`` form)."""
-    for name, sub in module.named_modules():
-        if type(sub).get_extra_state is not nn.Module.get_extra_state:
-            yield torch_key(f"{name}.{EXTRA_STATE}" if name else EXTRA_STATE), sub
-
-
-def _alias_names(model: "MegatronFSDP") -> dict[str, str]:
-    """Every state-dict name of a parameter (tied weights have several, as in
-    ``nn.Module.state_dict()``; ``torch_key`` form) -> the name the buffer files it under."""
-    names = model.param_and_grad_buffer.param_names
-    return {torch_key(name): names[p] for name, p in model.module.named_parameters(remove_duplicate=False)}
-
-
 def sharded_state_dict(
-    model: "MegatronFSDP", *, prefix: str = "", keep_vars: bool = False, module_prefix: bool = True,
+    model: ShardedModel, *, prefix: str = "", keep_vars: bool = False, module_prefix: bool = True,
     extra_state: bool = False,
 ) -> "OrderedDict[str, Any]":
     """Main weights, persistent buffers and (``extra_state``) modules' extra state,
@@ -181,18 +147,16 @@ def sharded_state_dict(
     if keep_vars:
         values = dict(buffer.named_dist_params())
     else:
-        from .full_state_dict import _gather_main_weights  # it imports this module
-
         model.settle_weights_for_reading()  # edits since the step included
         for group in buffer.groups:
-            flat, _ = _gather_main_weights(group, model.all_gather_pipeline.timeout)
+            flat, _ = gather_main_weights(group, model.all_gather_pipeline.timeout)
             for index, (name, param) in enumerate(zip(group.names, group.params)):
                 start, end = group.layout.item_range(index)
                 values[name] = standard_dtensor(group, flat[start:end].view(param.shape).detach())
     out: "OrderedDict[str, Any]" = OrderedDict()
-    for alias, name in _alias_names(model).items():
+    for alias, name in alias_names(model).items():
         out[base + alias] = values[name]
-    for name, value in _persistent_buffers(model.module):
+    for name, value in persistent_buffers(model.module):
         out[base + torch_key(name)] = value if keep_vars else value.detach()
     if extra_state:
         for key, sub in extra_states(model.module):
@@ -200,24 +164,16 @@ def sharded_state_dict(
     return out
 
 
-def _persistent_buffers(module: nn.Module):
-    for name, value in module.named_buffers():
-        owner_name, _, attr = name.rpartition(".")
-        owner = module.get_submodule(owner_name) if owner_name else module
-        if attr not in owner._non_persistent_buffers_set:
-            yield name, value
-
-
 def _describe(value: Any) -> str:
     return f"{tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
 
 
-def _own_keys(model: "MegatronFSDP", state_dict: Mapping[str, Any]) -> tuple[dict[str, str], list[str], list[str]]:
+def _own_keys(model: ShardedModel, state_dict: Mapping[str, Any]) -> tuple[dict[str, str], list[str], list[str]]:
     """Match the given keys (``module.<name>`` or ``<name>``, tied aliases optional)
     to the model's canonical names in ``torch_key`` form: (canonical -> given key,
     missing, unexpected)."""
-    aliases = {alias: torch_key(name) for alias, name in _alias_names(model).items()}
-    buffers = [torch_key(n) for n, _ in _persistent_buffers(model.module)]
+    aliases = {alias: torch_key(name) for alias, name in alias_names(model).items()}
+    buffers = [torch_key(n) for n, _ in persistent_buffers(model.module)]
     extras = [key for key, _ in extra_states(model.module)]
     canonical = list(dict.fromkeys(aliases.values())) + buffers
     known = set(aliases) | set(canonical) | set(extras)
@@ -260,7 +216,7 @@ def _own_keys(model: "MegatronFSDP", state_dict: Mapping[str, Any]) -> tuple[dic
     return given, missing, unexpected
 
 
-def _own_objects(model: "MegatronFSDP") -> set[int]:
+def _own_objects(model: ShardedModel) -> set[int]:
     """ids of the tensors the model itself holds (registered parameters and buffers,
     distributed parameters): values that load nothing."""
     tensors = [p for _, p in model.module.named_parameters(remove_duplicate=False)] + list(model.module.buffers())
@@ -269,7 +225,7 @@ def _own_objects(model: "MegatronFSDP") -> set[int]:
 
 
 @torch.no_grad()
-def load_sharded_state_dict(model: "MegatronFSDP", state_dict: Mapping[str, Any], *, strict: bool = True):
+def load_sharded_state_dict(model: ShardedModel, state_dict: Mapping[str, Any], *, strict: bool = True):
     """Load main weights from DTensors (our ``state_dict()`` as DCP filled it, any
     DTensor layout of the full weights, the distributed parameters themselves) or
     from plain full tensors (a pretrained model); then refresh the compute weights.
@@ -320,7 +276,7 @@ def load_sharded_state_dict(model: "MegatronFSDP", state_dict: Mapping[str, Any]
     return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
 
-def _local_source(model: "MegatronFSDP", key: str, own: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+def _local_source(model: ShardedModel, key: str, own: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """The part of ``value`` that this rank's ``own`` tensor (a distributed
     parameter or a buffer) holds."""
     if isinstance(value, DTensor):
@@ -341,7 +297,7 @@ def _local_source(model: "MegatronFSDP", key: str, own: torch.Tensor, value: tor
 
 
 def get_full_state_dict(
-    model: "MegatronFSDP",
+    model: ShardedModel,
     *,
     dtype: Optional[torch.dtype] = None,
     device: "torch.device | str" = "cpu",
@@ -351,12 +307,11 @@ def get_full_state_dict(
     tensors keyed like the unwrapped module, gathered one group at a time into
     ``device`` (host memory by default); ``rank0_only``: the other ranks get ``{}``.
     Collective: every rank of the shard group must call it (full_state_dict.py)."""
-    from .full_state_dict import gather_full_state_dict
 
     return gather_full_state_dict(model, dtype=dtype, device=device, rank0_only=rank0_only)
 
 
-def save_full_state_dict(model: "MegatronFSDP", path: str, *, dtype: Optional[torch.dtype] = None) -> None:
+def save_full_state_dict(model: ShardedModel, path: str, *, dtype: Optional[torch.dtype] = None) -> None:
     """Export: rank 0 writes a plain ``torch.save`` state dict loadable by the
     unwrapped model class. Collective."""
     full = get_full_state_dict(model, dtype=dtype, rank0_only=True)
@@ -365,6 +320,6 @@ def save_full_state_dict(model: "MegatronFSDP", path: str, *, dtype: Optional[to
     torch.distributed.barrier()
 
 
-def load_full_state_dict(model: "MegatronFSDP", state_dict: Mapping[str, torch.Tensor], *, strict: bool = True):
+def load_full_state_dict(model: ShardedModel, state_dict: Mapping[str, torch.Tensor], *, strict: bool = True):
     """Import a plain (unsharded) state dict, e.g. pretrained weights, into a sharded model."""
     return load_sharded_state_dict(model, state_dict, strict=strict)

@@ -30,20 +30,18 @@ call ``state_dict()`` / ``load_state_dict()`` with the same parameters and keys.
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING, Any, Iterable, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from .full_state_dict import gather_items_to, gather_unsharded
+from ..buffers.param_and_grad_buffer import ParameterGroup
+from .gather import gather_items_to, gather_unsharded
 from ..runtime.owners import owner_of
 from ..buffers.piece_dtensor import PieceDTensor, piece_dtensor
 from .model_state_dict import full_value, standard_dtensor
-
-if TYPE_CHECKING:
-    from ..megatron_fsdp import MegatronFSDP
-    from ..buffers.param_and_grad_buffer import ParameterGroup
+from .sharded_model import ShardedModel
 
 
 def indexed_params(optimizer: torch.optim.Optimizer) -> dict[int, torch.Tensor]:
@@ -63,9 +61,9 @@ def _is_piece(value: Any, param: torch.Tensor) -> bool:
     return isinstance(value, DTensor) and value.dim() > 0 and value.shape == param.shape
 
 
-def _models(params: Iterable[torch.Tensor]) -> list["MegatronFSDP"]:
+def _models(params: Iterable[torch.Tensor]) -> list[ShardedModel]:
     """The models owning ``params``, in first-appearance order (the same on every rank)."""
-    models: list["MegatronFSDP"] = []
+    models: list[ShardedModel] = []
     for p in params:
         model = owner_of(p)
         if model is not None and model not in models:
@@ -82,7 +80,7 @@ def standardize_optimizer_state_dict(optimizer: torch.optim.Optimizer, state_dic
     states = state_dict["state"] = {i: dict(s) for i, s in state_dict.get("state", {}).items()}
     for model in _models(params.values()):
         buffer = model.param_and_grad_buffer
-        entries: dict["ParameterGroup", list[tuple[int, int]]] = {}
+        entries: dict[ParameterGroup, list[tuple[int, int]]] = {}
         for index, param in params.items():
             slot = buffer.dist_slot(param) if owner_of(param) is model else None
             if slot is not None and index in states and slot[0].strategy.shards_optimizer:
@@ -105,7 +103,7 @@ def _plain_dtensor(value: Any) -> Any:
                               shape=value.shape, stride=value.stride())
 
 
-def _standardize_group(group: "ParameterGroup", entries: list[tuple[int, int]], states: dict, timeout) -> None:
+def _standardize_group(group: ParameterGroup, entries: list[tuple[int, int]], states: dict, timeout) -> None:
     """Replace the flat state pieces of one sharded group's parameters, one state
     key at a time (one unsharded flat bucket of the group alive at a time)."""
     keys = sorted({k for i, item in entries for k, v in states[i].items() if _is_piece(v, group.params[item])})
@@ -162,7 +160,7 @@ def gather_optimizer_state_to(
     keep = dist.get_rank() == dst
     params = indexed_params(optimizer)
     states: dict[int, dict] = {}
-    sharded: dict["MegatronFSDP", dict["ParameterGroup", list[tuple[int, int]]]] = {}
+    sharded: dict[ShardedModel, dict[ParameterGroup, list[tuple[int, int]]]] = {}
     for index, param in params.items():
         live = optimizer.state.get(param)
         if live is None:
@@ -193,7 +191,7 @@ def _private(value: Any, device: torch.device) -> Any:
     return local.detach().to(device, copy=True)
 
 
-def _gather_group_state(group: "ParameterGroup", entries: list[tuple[int, int]], params: dict[int, torch.Tensor],
+def _gather_group_state(group: ParameterGroup, entries: list[tuple[int, int]], params: dict[int, torch.Tensor],
                         optimizer: torch.optim.Optimizer, states: Optional[dict], **send) -> None:
     """One sharded group's parameter-shaped state, key by key, to ``dst`` (``states``
     there, ``None`` elsewhere): this rank's pieces laid into its shard of the flat
@@ -254,7 +252,7 @@ def _is_state_tensor(value: Any, param: torch.Tensor) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == param.shape
 
 
-def _flat_piece(model: "MegatronFSDP", param: DTensor, value: torch.Tensor) -> DTensor:
+def _flat_piece(model: ShardedModel, param: DTensor, value: torch.Tensor) -> DTensor:
     """This rank's part of ``value`` (any DTensor layout or a full tensor of
     ``param``'s shape), cut and wrapped as ``param`` is. Collective for DTensors."""
     local = param.to_local()

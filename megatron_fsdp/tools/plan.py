@@ -1,6 +1,6 @@
 """What a sharded model holds per rank and moves per step, before any GPU is touched.
 
-``python -m megatron_fsdp.tools.plan --model 8b --world 1024 --strategy optim_grads_params``
+``python -m megatron_fsdp.tools.plan_cli --model 8b --world 1024 --strategy optim_grads_params``
 prints, for one rank, the persistent bytes by role (model weights, main weights,
 main gradients, optimizer state) and the collectives of one steady-state step
 (count and payload bytes per kind). ``--check`` then builds the same model through
@@ -34,11 +34,8 @@ Main weights exist only when their dtype differs from the compute dtype.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import logging
-import sys
 from typing import Optional, Sequence
 
 import torch
@@ -278,10 +275,6 @@ def step_collectives(request: PlanRequest, groups: Sequence[GroupPlan]) -> dict[
     return {"counts": counts, "bytes": nbytes}
 
 
-# -- command line --------------------------------------------------------------------
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "auto": None}
-
-
 def _gib(n: float) -> str:
     return f"{n / 2**30:10.3f} GiB"
 
@@ -301,73 +294,3 @@ def format_plan(plan: Plan) -> str:
     for kind, count in plan.step["counts"].items():
         lines.append(f"  {kind:<16}{count:6d} calls  {_gib(plan.step['bytes'][kind])}")
     return "\n".join(lines)
-
-
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m megatron_fsdp.tools.plan", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="8b", help=f"preset: {', '.join(model_names())}")
-    parser.add_argument("--world", type=int, default=8, help="data-parallel ranks")
-    parser.add_argument("--strategy", default="optim_grads_params", help="0-3, a strategy name, or 'all'")
-    parser.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16"], help="compute dtype")
-    parser.add_argument("--main-params-dtype", default="fp32", choices=list(_DTYPES))
-    parser.add_argument("--main-grads-dtype", default="fp32", choices=list(_DTYPES))
-    parser.add_argument("--grad-comm-dtype", default="auto", choices=list(_DTYPES))
-    parser.add_argument("--check", action="store_true", help="build on the fake process group and compare")
-    parser.add_argument("--steps", type=int, default=None,
-                        help="fake-group training steps to record (default: 3 up to 200M parameters, else 0: "
-                             "collectives are then counted from the engine's built groups)")
-    parser.add_argument("--json", action="store_true", help="print one JSON record per strategy instead of text")
-    return parser.parse_args(argv)
-
-
-def requests_from(args: argparse.Namespace) -> list[PlanRequest]:
-    strategies = list(ShardingStrategy) if args.strategy == "all" else [ShardingStrategy.parse(args.strategy, arg_name="--strategy")]
-    return [
-        PlanRequest(
-            model=args.model,
-            world=args.world,
-            strategy=s,
-            dtype=_DTYPES[args.dtype],
-            main_params_dtype=_DTYPES[args.main_params_dtype],
-            main_grads_dtype=_DTYPES[args.main_grads_dtype],
-            grad_comm_dtype=_DTYPES[args.grad_comm_dtype],
-        )
-        for s in strategies
-    ]
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = parse_args(argv)
-    failed = False
-    for request in requests_from(args):
-        plan = make_plan(request)
-        record = plan.as_dict()
-        if args.check:
-            from .simulate import compare, simulate  # imports the engine and torch.distributed
-
-            steps = args.steps if args.steps is not None else (3 if plan.params <= 200_000_000 else 0)
-            measured = simulate(request, steps=steps)
-            record["measured"] = measured
-            record["mismatches"] = compare(plan, measured)
-            failed = failed or bool(record["mismatches"])
-        if args.json:
-            print(json.dumps(record), flush=True)
-        else:
-            print(format_plan(plan))
-            if args.check:
-                _print_check(record)
-    return 1 if failed else 0
-
-
-def _print_check(record: dict) -> None:
-    m = record["measured"]
-    print(f"fake-group build: wrap {m['wrap_s']:.2f}s ({m['wrap_cpu_s']:.2f}s CPU), peak host RSS growth {m['wrap_rss_growth'] / 2**30:.2f} GiB, "
-          f"collectives from {m['step_source']}")
-    if record["mismatches"]:
-        print("MISMATCH:\n  " + "\n  ".join(record["mismatches"]))
-    else:
-        print("check: memory and collectives equal the plan")
-
-
-if __name__ == "__main__":
-    sys.exit(main())

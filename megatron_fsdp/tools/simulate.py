@@ -14,7 +14,7 @@ are meaningless. For large models (``steps=0``) the step's collectives are
 counted from the engine's built groups and units instead of by running it.
 
 The fake group must not meet a real one: run this in a process of its own
-(``python -m megatron_fsdp.tools.plan --check`` does).
+(``python -m megatron_fsdp.tools.plan_cli --check`` does).
 """
 
 from __future__ import annotations

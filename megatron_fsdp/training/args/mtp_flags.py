@@ -39,7 +39,7 @@ def mtp_problems(args: argparse.Namespace) -> list[str]:
                         f"{args.recompute_num_layers}: megatron-core refuses MTP recomputation unless "
                         "--recompute-num-layers is 1; pass --recompute-num-layers 1 or --recompute-method block")
     if args.use_mcore_models:
-        from ...models.mcore import per_token_rolled_count_problem
+        from ...models.mcore_specs import per_token_rolled_count_problem
 
         problem = per_token_rolled_count_problem(depths, args.calculate_per_token_loss)
         if problem:

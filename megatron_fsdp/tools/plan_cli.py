@@ -1,0 +1,92 @@
+"""The planner's command line: ``python -m megatron_fsdp.tools.plan_cli`` (and ``scripts/plan.py``).
+
+Prints ``plan.py``'s per-rank memory and per-step collectives of a preset GPT, and with
+``--check`` compares them with a build on torch's fake process group (``simulate.py``).
+Its own module because it is the one place that needs both: the simulation builds
+through the plan's requests, so the plan cannot import it back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Optional, Sequence
+
+import torch
+
+from ..enums import ShardingStrategy
+from .plan import PlanRequest, format_plan, make_plan, model_names
+from .simulate import compare, simulate
+
+
+# -- command line --------------------------------------------------------------------
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "auto": None}
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m megatron_fsdp.tools.plan_cli", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="8b", help=f"preset: {', '.join(model_names())}")
+    parser.add_argument("--world", type=int, default=8, help="data-parallel ranks")
+    parser.add_argument("--strategy", default="optim_grads_params", help="0-3, a strategy name, or 'all'")
+    parser.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16"], help="compute dtype")
+    parser.add_argument("--main-params-dtype", default="fp32", choices=list(_DTYPES))
+    parser.add_argument("--main-grads-dtype", default="fp32", choices=list(_DTYPES))
+    parser.add_argument("--grad-comm-dtype", default="auto", choices=list(_DTYPES))
+    parser.add_argument("--check", action="store_true", help="build on the fake process group and compare")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="fake-group training steps to record (default: 3 up to 200M parameters, else 0: "
+                             "collectives are then counted from the engine's built groups)")
+    parser.add_argument("--json", action="store_true", help="print one JSON record per strategy instead of text")
+    return parser.parse_args(argv)
+
+
+def requests_from(args: argparse.Namespace) -> list[PlanRequest]:
+    strategies = list(ShardingStrategy) if args.strategy == "all" else [ShardingStrategy.parse(args.strategy, arg_name="--strategy")]
+    return [
+        PlanRequest(
+            model=args.model,
+            world=args.world,
+            strategy=s,
+            dtype=_DTYPES[args.dtype],
+            main_params_dtype=_DTYPES[args.main_params_dtype],
+            main_grads_dtype=_DTYPES[args.main_grads_dtype],
+            grad_comm_dtype=_DTYPES[args.grad_comm_dtype],
+        )
+        for s in strategies
+    ]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    failed = False
+    for request in requests_from(args):
+        plan = make_plan(request)
+        record = plan.as_dict()
+        if args.check:
+            steps = args.steps if args.steps is not None else (3 if plan.params <= 200_000_000 else 0)
+            measured = simulate(request, steps=steps)
+            record["measured"] = measured
+            record["mismatches"] = compare(plan, measured)
+            failed = failed or bool(record["mismatches"])
+        if args.json:
+            print(json.dumps(record), flush=True)
+        else:
+            print(format_plan(plan))
+            if args.check:
+                _print_check(record)
+    return 1 if failed else 0
+
+
+def _print_check(record: dict) -> None:
+    m = record["measured"]
+    print(f"fake-group build: wrap {m['wrap_s']:.2f}s ({m['wrap_cpu_s']:.2f}s CPU), peak host RSS growth {m['wrap_rss_growth'] / 2**30:.2f} GiB, "
+          f"collectives from {m['step_source']}")
+    if record["mismatches"]:
+        print("MISMATCH:\n  " + "\n  ".join(record["mismatches"]))
+    else:
+        print("check: memory and collectives equal the plan")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
