@@ -322,7 +322,7 @@ def meta_worker(rank, world, *, strategy, kind):
         peak=fsdp.init_peak_param_bytes,
         total=total,
         attribute=getattr(model.blocks[0].fc1.weight, "tensor_model_parallel", False),
-        mark=mf.marks.is_fsdp_no_shard(model.blocks[1].fc1.weight),
+        mark=mf.param_marks.is_fsdp_no_shard(model.blocks[1].fc1.weight),
     )
 
 

@@ -144,7 +144,7 @@ def key_twice_worker(rank, world):
     before = mf.get_full_state_dict(model)
     try:
         model.load_state_dict(both)
-    except mf.state_dict.StateDictMismatchError as exc:
+    except mf.StateDictMismatchError as exc:
         unchanged = all(torch.equal(before[k], v) for k, v in mf.get_full_state_dict(model).items())
         return str(exc), unchanged
     return "loaded", False
