@@ -1,39 +1,76 @@
-"""megatron_fsdp: fully sharded data parallelism in the Megatron style, on CPU and CUDA."""
+"""megatron_fsdp: fully sharded data parallelism in the Megatron style, on CPU and CUDA.
 
-from .comm.collectives import CollectiveRecorder, record_collectives
-from .config import DistributedDataParallelConfig
-from .mcore_fsdp_adapter import FullyShardedDataParallel
-from .comm.distributed_index import FSDPDistributedIndex
-from .enums import BucketStatus, ShardingStrategy, TrainingState
-from .fully_shard import fully_shard, fully_shard_model, fully_shard_optimizer
-from .param_marks import fsdp_no_shard
-from .megatron_fsdp import MegatronFSDP
-from .mixed_precision import MixedPrecisionPolicy
-from .state.checkpoint import load_checkpoint, save_checkpoint
-from .state.model_state_dict import StateDictMismatchError, get_full_state_dict, load_full_state_dict, save_full_state_dict
-from . import uneven_dtensor, utils  # upstream's module names (Megatron-LM imports helpers from them)
+The package's floors, top to bottom (each imports only the floors below it; the
+architecture test in ``tests/test_architecture.py`` holds them to it):
 
-__all__ = [
-    "BucketStatus",
-    "CollectiveRecorder",
-    "DistributedDataParallelConfig",
-    "FSDPDistributedIndex",
-    "FullyShardedDataParallel",
-    "MegatronFSDP",
-    "MixedPrecisionPolicy",
-    "ShardingStrategy",
-    "TrainingState",
-    "fsdp_no_shard",
-    "fully_shard",
-    "fully_shard_model",
-    "fully_shard_optimizer",
-    "StateDictMismatchError",
-    "get_full_state_dict",
-    "load_checkpoint",
-    "load_full_state_dict",
-    "save_checkpoint",
-    "save_full_state_dict",
-    "record_collectives",
-]
+- this folder: the public face (``fully_shard``, ``megatron_fsdp`` with ``MegatronFSDP``,
+  ``optimizer``, ``mcore_fsdp_adapter`` with ``FullyShardedDataParallel``) and every module
+  path upstream users and Megatron-LM import (``utils``, ``uneven_dtensor``,
+  ``param_and_grad_buffer``, ``distributed_data_parallel_config``, ``package_info``,
+  ``mixed_precision``), plus the vocabulary every floor uses (``config``, ``enums``,
+  ``param_marks``, ``mixed_precision``);
+- ``state/``: model and optimizer state dicts, full export, checkpoints;
+- ``runtime/``: hooks, the unit schedule, the all-gather and gradient-reduce pipelines;
+- ``buffers/`` and ``compat/``: parameter groups, flat buffers, layout math, the DTensor
+  types; TransformerEngine and megatron-core recognition;
+- ``comm/``: collectives, transports, streams, the device, the process groups.
 
-__version__ = "0.1.0"
+Beside them: ``experimental/`` (the per-module API), ``models/`` (the embedded GPT),
+``tools/`` (the scale planner) and ``training/`` (the launcher behind
+``scripts/pretrain_gpt.py``, which ``import megatron_fsdp`` never loads).
+
+[Note: lazy package root] The names below load their module on first use (PEP 562), so
+importing a leaf module (the data preprocessor's workers read ``training/data/indexed.py``
+alone) does not bring in the engine and torch with it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from .package_info import __version__  # noqa: F401
+
+_EXPORTS = {
+    "BucketStatus": "enums",
+    "CollectiveRecorder": "comm.collectives",
+    "DistributedDataParallelConfig": "config",
+    "FSDPDistributedIndex": "comm.distributed_index",
+    "FullyShardedDataParallel": "mcore_fsdp_adapter",
+    "MegatronFSDP": "megatron_fsdp",
+    "MixedPrecisionPolicy": "mixed_precision",
+    "ShardingStrategy": "enums",
+    "StateDictMismatchError": "state.model_state_dict",
+    "TrainingState": "enums",
+    "fsdp_no_shard": "param_marks",
+    "fully_shard": "fully_shard",
+    "fully_shard_model": "fully_shard",
+    "fully_shard_optimizer": "fully_shard",
+    "get_full_state_dict": "state.model_state_dict",
+    "load_checkpoint": "state.checkpoint",
+    "load_full_state_dict": "state.model_state_dict",
+    "record_collectives": "comm.collectives",
+    "save_checkpoint": "state.checkpoint",
+    "save_full_state_dict": "state.model_state_dict",
+}
+"""Public name -> the module (under this package) that defines it."""
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    else:
+        try:  # a submodule: megatron_fsdp.utils, megatron_fsdp.uneven_dtensor, ...
+            value = importlib.import_module(f".{name}", __name__)
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

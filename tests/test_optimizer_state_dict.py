@@ -22,7 +22,7 @@ import megatron_fsdp as mf
 from conftest import get_pool
 from megatron_fsdp.state.checkpoint import CheckpointReadError
 from megatron_fsdp.state.model_state_dict import chunk_rows, clone_for_load, state_dicts_on
-from megatron_fsdp.state.uneven_dtensor import uneven_dtensor_to_full_tensor
+from megatron_fsdp.uneven_dtensor import uneven_dtensor_to_full_tensor
 from megatron_fsdp.utils import make_fsdp_dtensor
 from models import Block, loss_fn, make_batches, make_model, make_optimizer, train_steps
 

@@ -15,7 +15,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 import megatron_fsdp as mf
-import megatron_fsdp.state.uneven_dtensor
+import megatron_fsdp.uneven_dtensor
 from models import Block, Net, SkipNet, loss_fn, make_batches
 from test_patterns import STRATEGIES, TOL, Ctx, _loss, _optimizer, loop_plain
 
@@ -416,7 +416,7 @@ def dtensor_api_worker(rank, world, *, strategy):
                        "state_full_tensor": lambda: opt.state[weight]["exp_avg"].full_tensor(),
                        # upstream's helper, which Megatron-LM calls on parameters: it raised
                        # torch's "expanded size" error here
-                       "uneven_full_tensor": lambda: megatron_fsdp.state.uneven_dtensor.uneven_dtensor_to_full_tensor(
+                       "uneven_full_tensor": lambda: megatron_fsdp.uneven_dtensor.uneven_dtensor_to_full_tensor(
                            weight)}.items():
         try:
             call()

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import megatron_fsdp as mf
-import megatron_fsdp.state.uneven_dtensor
+import megatron_fsdp.uneven_dtensor
 import megatron_fsdp.utils
 from megatron_fsdp.config import UNIMPLEMENTED_OPTIONS
 

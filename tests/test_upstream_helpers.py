@@ -1,4 +1,4 @@
-"""``megatron_fsdp.utils`` / ``megatron_fsdp.state.uneven_dtensor``: the helpers
+"""``megatron_fsdp.utils`` / ``megatron_fsdp.uneven_dtensor``: the helpers
 Megatron-LM imports from upstream, on DTensors with uneven shards."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import megatron_fsdp as mf
-from megatron_fsdp.state.uneven_dtensor import (
+from megatron_fsdp.uneven_dtensor import (
     gather_and_compute_chunk_metadata,
     preprocess_state_dict_for_uneven_dtensor,
     redistribute_uneven_dtensor_to_replicated,
@@ -117,7 +117,7 @@ def make_fsdp_dtensor_worker(rank, world, *, path):
     """Upstream's make_fsdp_dtensor: uneven row shards (and a whole replicated
     tensor), validated, with DCP chunk metadata; DCP writes them at their real offsets
     and torch.save still pickles them."""
-    from megatron_fsdp.buffers.param_and_grad_buffer import make_fsdp_dtensor as upstream_path
+    from megatron_fsdp.param_and_grad_buffer import make_fsdp_dtensor as upstream_path
     from megatron_fsdp.utils import make_fsdp_dtensor
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))

@@ -1,1 +1,7 @@
-"""TODO map."""
+"""Compatibility with optional libraries, recognised without requiring them.
+
+- ``transformer_engine.py``: TransformerEngine modules (FP8 refused, fused wgrad through
+  ``param.main_grad``), detected without importing TransformerEngine.
+- ``megatron_core.py``: megatron-core: whether it is installed, its layer classes and
+  parallel state, and its ``TransformerConfig`` from Megatron-LM style arguments.
+"""

@@ -56,7 +56,9 @@ def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> list[torch.
 
 
 # -- save ---------------------------------------------------------------------------------
-def _state(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> dict[str, Any]:
+def checkpoint_state(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> dict[str, Any]:
+    """What ``save_checkpoint`` hands DCP: ``{"model": ..., "optimizer": ...}`` (the launcher's
+    asynchronous save writes the same layout)."""
     state: dict[str, Any] = {"model": model.state_dict()}
     if optimizer is not None:
         state["optimizer"] = optimizer.state_dict()
@@ -82,7 +84,7 @@ def save_checkpoint(
             tmp.mkdir(parents=True)
         dist.barrier()
         phase = "writing shards (torch.distributed.checkpoint.save)"
-        dcp.save(_state(model, optimizer), checkpoint_id=str(tmp))
+        dcp.save(checkpoint_state(model, optimizer), checkpoint_id=str(tmp))
         if extra_state is not None:
             torch.save(extra_state, tmp / EXTRA_STATE_FILE.format(rank=rank))
         phase = "waiting for every rank to finish writing"

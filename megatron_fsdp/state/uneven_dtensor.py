@@ -1,5 +1,5 @@
 """DTensors whose shards are uneven along their sharded dimension: helpers under
-upstream's module name ``megatron_fsdp.state.uneven_dtensor``.
+upstream's module name ``megatron_fsdp.uneven_dtensor`` (re-exported there).
 
 Standard DTensor APIs assume ``torch.chunk``-style shards (ceil-sized, the last
 ones short or empty). A DTensor built with ``DTensor.from_local`` from shards of

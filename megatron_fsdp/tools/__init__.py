@@ -1,1 +1,7 @@
-"""TODO map."""
+"""Tools beside the engine: the scale planner.
+
+- ``plan.py``: per-rank memory and per-step collectives of a preset GPT, derived from its
+  structure alone.
+- ``simulate.py``: the same model built through the engine on torch's fake process group.
+- ``plan_cli.py``: the command line (``python -m megatron_fsdp.tools.plan_cli``, ``scripts/plan.py``).
+"""

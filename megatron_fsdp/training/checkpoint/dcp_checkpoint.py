@@ -166,7 +166,7 @@ class AsyncSaver:
     def save(self, root: str, iteration: int, model, optimizer, extra_state: dict) -> None:
         self.finalize()
         # The same layout and per-rank extra-state files as the synchronous save.
-        from megatron_fsdp.state.checkpoint import EXTRA_STATE_FILE, _state
+        from megatron_fsdp.state.checkpoint import EXTRA_STATE_FILE, checkpoint_state
         from megatron_fsdp.state.model_state_dict import clone_for_load
         from torch.utils._pytree import tree_map
 
@@ -181,7 +181,7 @@ class AsyncSaver:
         torch.save(extra_state, os.path.join(tmp, EXTRA_STATE_FILE.format(rank=rank)))
         # A private host copy first (state_dict.clone_for_load): training goes on
         # while DCP writes, and must not change what is being written.
-        staged = tree_map(clone_for_load, _state(checkpoint_module(model), optimizer))
+        staged = tree_map(clone_for_load, checkpoint_state(checkpoint_module(model), optimizer))
         future = dcp.async_save(staged, checkpoint_id=tmp, process_group=self._group)
         self._pending = (future, root, tmp, iteration)
         logger.info("  started an asynchronous save of iteration %7d to %s", iteration, root)

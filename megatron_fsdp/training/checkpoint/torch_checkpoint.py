@@ -38,7 +38,7 @@ optimizer's bucket layout, are not reproduced, and its optimizer state is not re
 FSDP's ``no_shard``/``optim`` strategies, whose main weights and optimizer state are
 DTensor pieces. The writer (global rank 0) collects them whole into its host memory
 shard by shard, one parameter group and state key at a time
-(``megatron_fsdp.state.full_state_dict.gather_items_to``, over a gloo group as Megatron-LM's
+(``megatron_fsdp.state.gather.gather_items_to``, over a gloo group as Megatron-LM's
 distributed-optimizer save does): no rank holds a group unsharded on the device and
 only rank 0's host holds the checkpoint; under ``no_shard`` every rank has it all and
 rank 0 copies its own. Loading: every rank reads the model file (as in Megatron-LM)
