@@ -34,7 +34,12 @@ from .megatron_fsdp import MegatronFSDP
 from .runtime.owners import compute_owner_of, owner_of
 from .state.eager_state import init_optimizer_state
 from .state.optimizer_state_dict import state_dict_hooks
-from .buffers.piece_dtensor import PieceDTensor, is_flat_piece, piece_dtensor
+from .buffers.piece_dtensor import FLAT_START_ATTR, PieceDTensor, is_flat_piece, piece_dtensor
+
+__all__ = [  # what optimizers written for sharded parameters use (the launcher's Muon)
+    "ELEMENTWISE_ATTR", "FLAT_START_ATTR", "bind_optimizer", "is_flat_piece", "rebuild_optimizer",
+    "updates_elementwise",
+]
 
 logger = logging.getLogger(__name__)
 
