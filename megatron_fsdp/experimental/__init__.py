@@ -5,6 +5,22 @@ Apply ``fully_shard`` bottom-up inside ``fully_shard_context`` (like FSDP2's
 ``fully_shard``); parameters become sharded DTensors backed by ``DBuffer``s; wrap
 the optimizer with ``fully_shard_optimizer``. See the README section
 "megatron_fsdp.experimental".
+
+Modules, one concern each:
+
+- ``fully_shard.py``: the entry points: ``Placements``, ``fully_shard``, ``fully_shard_context``,
+  ``microbatch``.
+- ``module.py``: the ``FsdpModule`` mixin and ``FsdpContext``: the hooks that gather, release
+  and reduce.
+- ``parameter_group.py``: one dtype- and requires_grad-homogeneous group of a module's
+  parameters, its buffers and sharded parameters.
+- ``dbuffer.py``: ``DBuffer``: several logical tensors in one flat local buffer.
+- ``placement.py``: placements of a ``DBuffer`` along each mesh axis (``Flat``).
+- ``layout.py``: the row-aligned global layout of one ``DBuffer``'s tensors (pure index math).
+- ``dtensor.py``: the DTensors that expose ``DBuffer`` tensors.
+- ``optimizer.py``: ``fully_shard_optimizer``'s step hooks.
+- ``checkpoint.py``: checkpoints and full weights of an experimentally sharded model;
+  ``dcp_chunks.py`` the DCP chunk metadata of a flat shard.
 """
 
 from .checkpoint import full_state_dict, load_checkpoint, save_checkpoint

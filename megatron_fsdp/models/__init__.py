@@ -4,6 +4,25 @@
 (``GPTConfig``), dense or mixture-of-experts; ``presets`` names configurations of
 record (Llama-3-8B, GPT-3 sizes, tiny CPU versions); ``mcore`` builds
 megatron-core's ``GPTModel`` from the same configuration.
+
+Modules, one concern each:
+
+- ``config.py``: ``GPTConfig`` and its enums (normalisation, position embedding, routing,
+  recompute), vocabulary padding.
+- ``layers.py``: leaf layers: initialised linears and embeddings, norms.
+- ``rope.py``, ``yarn.py``: rotary position embeddings in megatron-core's two layouts; YaRN.
+- ``mla.py``: multi-latent attention (DeepSeek-V2/V3).
+- ``transformer.py``: self-attention and the transformer block (the FSDP unit).
+- ``moe.py``: mixture-of-experts layers (experts, shared expert, expert mesh).
+- ``router.py``: MoE routing: gating, top-k, load-balancing losses.
+- ``forced_routing.py``: ``--moe-router-force-load-balancing``'s forced routing.
+- ``mtp.py``: multi-token prediction (DeepSeek-V3's MTP).
+- ``losses.py``: Megatron's language-model cross-entropy; side losses attached to the graph.
+- ``gpt.py``: ``GPT`` and ``gpt_loss``.
+- ``presets.py``: named configurations of record.
+- ``mcore.py``: megatron-core's ``GPTModel`` from a ``GPTConfig`` and our weights in its layout;
+  ``mcore_mla.py`` and ``mcore_mtp.py`` its MLA and MTP parts; ``mcore_specs.py`` the
+  layer-spec and MTP helpers the three share.
 """
 
 from .config import (
