@@ -583,7 +583,7 @@ class MegatronFSDP(RefusesCopies, nn.Module):
     def settle_weights_for_reading(self) -> None:
         """Before weights are read outside the step (state dicts, export): wait for the
         weight refresh in flight and bring in in-place edits made since the step, so
-        every rank reads the edited values (ZeRO-1/2 used to hand out the stale
+        every rank reads the edited values (without it, ZeRO-1/2 would hand out stale
         replicas of other ranks' shards, different on each rank). The next forward
         still checks for edits: more may follow the read. Collective."""
         self.all_gather_pipeline.wait_all()

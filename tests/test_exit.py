@@ -1,6 +1,6 @@
 """A script that calls ``destroy_process_group()`` with wrapped models alive exits
 cleanly on gloo, as a DDP script does (see [Note: gloo works are freed before exit]
-in collectives.py). Before the fix, 18 of 20 runs of the script below aborted at exit
+in collectives.py). Without that wait, most runs of the script below abort at exit
 with "terminate called without an active exception"."""
 
 from __future__ import annotations

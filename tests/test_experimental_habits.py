@@ -44,8 +44,8 @@ def grads_written_worker(rank, world, *, strategy, steps=4):
 
 @pytest.mark.parametrize("strategy", ["zero3", "zero2", "zero1", "no_shard"])
 def test_grads_written_after_zero_grad_are_accumulated_on(pool2, strategy):
-    """ZeRO-1 placements lost such a write before 2026-11-25 (0.003 off): the
-    finalised gradient was dropped when accumulation went back to Partial."""
+    """A write after zero_grad is kept under every placement: ZeRO-1 must not drop the
+    finalised gradient when accumulation goes back to Partial (0.003 off if it does)."""
     for diff in pool2.run(grads_written_worker, strategy=strategy):
         assert diff < 1e-5, diff
 

@@ -533,7 +533,7 @@ def optimizer_worker(rank, world, *, name, strategy):
 def test_optimizers_equal_single_process(pool2, name, strategy):
     """torch's elementwise optimizers run on the local pieces; the user's own run on
     the DTensors, so one that looks across a parameter (a norm) is exact too (on local
-    pieces it got this rank's norm, silently, before 2026-11-25)."""
+    pieces it would get this rank's norm, silently)."""
     for diff, _ in pool2.run(optimizer_worker, name=name, strategy=strategy):
         assert diff < TOL, diff
 

@@ -112,7 +112,7 @@ def test_positional_dataclass_arguments():
 def test_megatron_fsdp_methods():
     """Every public method of upstream's MegatronFSDP, with its parameter names (Megatron-LM's
     schedules and finalize_model_grads call synchronize_param_gather, synchronize_gradient_reduce
-    and finish_grad_sync(force_all_reduce=...): before 2026-11-25 those failed here)."""
+    and finish_grad_sync(force_all_reduce=...))."""
     for method, params in API["methods"]["MegatronFSDP"].items():
         ours = getattr(mf.MegatronFSDP, method, None)
         assert callable(ours), f"MegatronFSDP.{method} is missing"

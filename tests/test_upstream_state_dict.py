@@ -236,8 +236,8 @@ def torch_state_dict_api_worker(rank, world, *, strategy, full, directory):
 @pytest.mark.parametrize("full", [False, True], ids=["sharded_dcp", "full"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_torch_state_dict_api_resumes_exactly(pool2, tmp_path, strategy, full):
-    """Before 2026-11-25 set_state_dict refused our own checkpoint ('Missing optimizer
-    state for parameter module.inp.weight'), sharded or full."""
+    """torch's set_state_dict takes our own checkpoint, sharded or full (a refusal would
+    read 'Missing optimizer state for parameter module.inp.weight')."""
     for diff, first_key in pool2.run(torch_state_dict_api_worker, strategy=strategy, full=full,
                                      directory=str(tmp_path / "ckpt")):
         assert diff < TOL and first_key == ["blocks.0.fc1.bias"], (diff, first_key)
@@ -299,8 +299,8 @@ def broadcast_from_rank0_worker(rank, world, *, strategy):
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_broadcast_from_rank0(pool2, strategy):
-    """Before 2026-11-25 the sharded strategies wrote torch.chunk rows into the
-    LayerNorm's flat pieces (wrong weights) and then failed on a size mismatch."""
+    """broadcast_from_rank0 loads every strategy's pieces: torch.chunk rows written into
+    the LayerNorm's flat pieces would give wrong weights and then a size mismatch."""
     for message, loaded, unchanged, resumed in pool2.run(broadcast_from_rank0_worker, strategy=strategy):
         if strategy == "no_shard":
             assert message == "no error" and loaded == 0.0, (message, loaded)

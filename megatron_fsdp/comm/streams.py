@@ -33,7 +33,7 @@ which is also why the HSDP/HFSDP outer reductions (their own process group) over
 backward ([Note: overlapped outer reduction]).
 
 [Note: streams switch] The reduce-scatter stream is on by default on CUDA. On an
-H100 (torch 2.11, 2026-11-25) it trained exactly under gradient accumulation with
+H100 (torch 2.11) it trained exactly under gradient accumulation with
 NaN checks and pooled buckets, ``TORCH_CUDA_SANITIZER=1`` found no unordered access
 (while it flags the same code with the stream's wait for the compute stream
 removed), and a ~1B ZeRO-3 step was ~0.9% faster than on one stream.
