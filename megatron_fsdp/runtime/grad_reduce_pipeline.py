@@ -23,6 +23,23 @@ since the last zeroing; at each gradient sync the flags are combined with MAX ov
 the data-parallel ranks, and a parameter that no rank used keeps ``grad=None``
 (as DDP with ``find_unused_parameters=True``), so optimizers skip it.
 
+[Note: the reduction lifecycle] Each group carries two state machines (enums.py,
+transitions checked in ``_GroupGradState.move``) and two counts:
+
+* ``reduce`` (``GroupReduceState``), per backward pass: IDLE -> REQUESTED (``reduce``,
+  or ``reduce_remaining`` at the end) -> LAUNCHED (``_drain`` in the fixed order) ->
+  IDLE (``end_backward``). ``start_all`` launches straight from IDLE or REQUESTED. Its
+  launch usually comes after ``end_backward`` (the end of a backward that syncs), so a
+  group it launched stays LAUNCHED through the next backward: that pass skips it in
+  ``_drain`` and ``start_all`` reduces it after that pass's end, on every rank alike.
+* ``main_grads`` (``MainGradState``), across passes: ACCUMULATING -> REDUCED (ZeRO-0/1,
+  when a reduction is finalised) -> OUTER_REDUCED (HSDP/HFSDP, outer collective issued;
+  ZeRO-2/3 come from ACCUMULATING) -> ACCUMULATING (``rebase`` or ``zero``).
+* ``reductions_since_zero``: launches since the last zeroing (0: the buffer is zero;
+  1: the first reduction, which writes instead of adding).
+* ``backwards_since_launch``: backward passes begun since the last launch (ZeRO-0/1:
+  ``start_all`` must reduce a group that has any).
+
 [Note: reducing twice without zeroing] ZeRO-0/1 reduce the persistent buffer in
 place. Before more gradients are accumulated on top of a reduced value, the buffer
 is *rebased*: scaled (and, for ZeRO-1, other ranks' regions cleared) so that the
@@ -67,7 +84,7 @@ import torch.nn as nn
 from ..comm import collectives
 from ..compat import transformer_engine as te_compat
 from ..buffers.allocator import StorageResizeAllocator
-from ..enums import ShardingStrategy
+from ..enums import GroupReduceState, MainGradState, ShardingStrategy
 from ..mixed_precision import MixedPrecisionPolicy
 from .nan_check import NonFiniteGradTracker
 from ..buffers.param_and_grad_buffer import ParameterGroup
@@ -93,6 +110,8 @@ class GradReduceOptions:
 
 @dataclasses.dataclass(eq=False)
 class _GroupGradState:
+    label: str
+    """The group's label, for errors."""
     used: torch.Tensor
     """Per item: received a gradient on this rank since the last zeroing (0/1)."""
     ready: set = dataclasses.field(default_factory=set)
@@ -104,19 +123,26 @@ class _GroupGradState:
     zeroing])."""
     stashed: set = dataclasses.field(default_factory=set)
     """ZeRO-0/1: items with a gradient in ``grads`` (their compute ``.grad`` is None)."""
-    requested: bool = False
-    """The group may be reduced in this pass (complete, or the pass ended)."""
-    launched: bool = False
-    """A reduction for the current backward pass was issued."""
+    reduce: GroupReduceState = GroupReduceState.IDLE
+    """This backward pass's reduction ([Note: the reduction lifecycle])."""
+    main_grads: MainGradState = MainGradState.ACCUMULATING
+    """What the main-grad buffer holds ([Note: reducing twice without zeroing])."""
     reductions_since_zero: int = 0
-    unreduced_backward: bool = False
-    """A backward pass ran since this group's last reduction. Every rank runs the
-    same backward passes, so (unlike which gradients arrived) this is the same on
-    every rank: it decides whether ``start_all`` must reduce a ZeRO-0/1 group."""
-    holds_reduced: bool = False
-    """The main-grad buffer holds a reduced value (rebase before accumulating more)."""
-    outer_reduced: bool = False
-    """HSDP: the shard holds a value already reduced across the outer group."""
+    """Reductions launched since the last zeroing of the whole group."""
+    backwards_since_launch: int = 0
+    """Backward passes begun since this group's last launch. Every rank runs the same
+    backward passes, so (unlike which gradients arrived) this is the same on every
+    rank: it decides whether ``start_all`` must reduce a ZeRO-0/1 group."""
+
+    def move(self, new: "GroupReduceState | MainGradState") -> None:
+        """Every change of ``reduce`` and ``main_grads`` goes through here, checked
+        against the enum's legal transitions. Asking for the state a machine is
+        already in changes nothing and is no transition."""
+        if isinstance(new, GroupReduceState):
+            if new is not self.reduce:
+                self.reduce = self.reduce.check_transition(new, owner=f"parameter group {self.label}")
+        elif new is not self.main_grads:
+            self.main_grads = self.main_grads.check_transition(new, owner=f"parameter group {self.label}")
 
 
 @dataclasses.dataclass(eq=False)
@@ -169,7 +195,7 @@ class GradReducePipeline:
 
     def add_group(self, group: ParameterGroup) -> None:
         """Start reducing ``group`` (at construction, or once a frozen group is unfrozen)."""
-        self._state[group] = _GroupGradState(used=torch.zeros(len(group.params), dtype=torch.int32))
+        self._state[group] = _GroupGradState(label=group.label, used=torch.zeros(len(group.params), dtype=torch.int32))
         self.groups = sorted(self._state, key=lambda g: -g.index)  # [Note: one collective order on every rank]
 
     # -- gradients arrive ----------------------------------------------------------
@@ -288,9 +314,6 @@ class GradReducePipeline:
                 bucket[slice(*group.layout.item_range(index))].zero_()
         bucket[group.layout.numel :].zero_()
 
-    def is_complete(self, group: ParameterGroup) -> bool:
-        return len(self._state[group].ready) == len(group.params)
-
     # -- reduction -------------------------------------------------------------
     def _comm_dtype(self, group: ParameterGroup) -> torch.dtype:
         return self.policy.comm_dtype_for(group.dtype)
@@ -299,10 +322,16 @@ class GradReducePipeline:
         """Allow the group's collective for the current backward pass (at most once);
         it is issued as soon as every group before it in the fixed order was.
         ``sync``: ZeRO-0/1 groups reduce in this pass (the same on every rank)."""
-        self._state[group].requested = True
+        self._request(self._state[group])
         if not self._takes_part(group, sync):
             self._flush_group(group)  # not reduced in this pass: bound the stash to a group
         self._drain(sync)
+
+    @staticmethod
+    def _request(state: _GroupGradState) -> None:
+        """Asking again (or once launched) changes nothing."""
+        if state.reduce is GroupReduceState.IDLE:
+            state.move(GroupReduceState.REQUESTED)
 
     def _takes_part(self, group: ParameterGroup, sync: bool) -> bool:
         return group.strategy.shards_grads or sync
@@ -310,9 +339,9 @@ class GradReducePipeline:
     def _drain(self, sync: bool) -> None:
         for group in self.groups:
             state = self._state[group]
-            if state.launched or not self._takes_part(group, sync):
+            if state.reduce is GroupReduceState.LAUNCHED or not self._takes_part(group, sync):
                 continue
-            if not state.requested:
+            if state.reduce is not GroupReduceState.REQUESTED:
                 return  # a group earlier in the order is not ready: keep the order
             self._launch(group, outer=sync)
 
@@ -321,7 +350,7 @@ class GradReducePipeline:
         (a group no gradient reached still joins: the other ranks reduce it)."""
         for group in self.groups:
             if self._takes_part(group, sync):
-                self._state[group].requested = True
+                self._request(self._state[group])
         self._drain(sync)
 
     def start_all(self) -> None:
@@ -332,7 +361,7 @@ class GradReducePipeline:
             if group.strategy.shards_grads:
                 if state.grads:
                     self._launch(group, outer=True)
-            elif state.unreduced_backward or state.reductions_since_zero == 0:
+            elif state.backwards_since_launch or state.reductions_since_zero == 0:
                 # Not ``reductions_since_zero == 0`` alone: zeroing only some items
                 # (a parameter that had no gradient stays None) keeps the count, and
                 # a backward under set_model_auto_sync(False) was then never reduced.
@@ -341,9 +370,9 @@ class GradReducePipeline:
     def _launch(self, group: ParameterGroup, async_op: Optional[bool] = None, *, outer: bool) -> None:
         """``outer``: a syncing reduction, followed by the group's outer one (if any)."""
         state = self._state[group]
-        state.launched = True
+        state.move(GroupReduceState.LAUNCHED)
         state.reductions_since_zero += 1
-        state.unreduced_backward = False
+        state.backwards_since_launch = 0
         self._outer_reduced = False  # new shard-level gradients need an outer reduction
         self.rebase(group)  # [Note: reducing twice without zeroing]
         async_op = self.options.overlap if async_op is None else async_op
@@ -447,10 +476,10 @@ class GradReducePipeline:
         avg = self._op() == dist.ReduceOp.AVG
         dp = group.dp
         if group.strategy.shards_grads:
-            if not state.outer_reduced:
+            if state.main_grads is not MainGradState.OUTER_REDUCED:
                 return
             self._wait_group(group)
-            state.outer_reduced = False
+            state.move(MainGradState.ACCUMULATING)
             if group.hfsdp and group.strategy.shards_optimizer:
                 piece = main.data.numel() // dp.outer_size
                 own = main.data[dp.outer_rank * piece : (dp.outer_rank + 1) * piece].clone()
@@ -459,11 +488,10 @@ class GradReducePipeline:
             elif not avg:
                 main.data.div_(dp.outer_size)
             return
-        if not state.holds_reduced:
+        if state.main_grads is MainGradState.ACCUMULATING:
             return
         self._wait_group(group)
-        state.holds_reduced = False
-        state.outer_reduced = False
+        state.move(MainGradState.ACCUMULATING)
         c = 1.0 / dp.scaling_size if avg else self._scaling(group)
         if group.strategy is ShardingStrategy.NO_SHARD:
             main.data.mul_(1.0 / (c * dp.scaling_size))
@@ -507,7 +535,7 @@ class GradReducePipeline:
                 else:
                     main.data.add_(output)  # accumulate across microbatches, promoting to the main dtype
             else:
-                self._state[group].holds_reduced = True
+                self._mark_reduced(self._state[group])
                 if strategy is ShardingStrategy.NO_SHARD:
                     if output is not main.data:
                         main.data.copy_(output)
@@ -519,6 +547,12 @@ class GradReducePipeline:
                 self._launch_outer(group)
 
         return finalize
+
+    @staticmethod
+    def _mark_reduced(state: _GroupGradState) -> None:
+        """ZeRO-0/1: the buffer holds a reduced value (an outer-reduced one stays so)."""
+        if state.main_grads is MainGradState.ACCUMULATING:
+            state.move(MainGradState.REDUCED)
 
     def _op(self) -> dist.ReduceOp.RedOpType:
         return dist.ReduceOp.AVG if self.options.average_in_collective and not self.options.per_token_loss else dist.ReduceOp.SUM
@@ -540,7 +574,7 @@ class GradReducePipeline:
             return
         self._outer_reduced = True
         for group in self.groups:
-            if group.dp.outer_group is not None and not self._state[group].outer_reduced:
+            if group.dp.outer_group is not None and self._state[group].main_grads is not MainGradState.OUTER_REDUCED:
                 self._launch_outer(group)
         self._wait_outer()
 
@@ -551,8 +585,8 @@ class GradReducePipeline:
         the same). Groups finalise in the fixed reduction order, so every rank issues
         the outer collectives in one order too."""
         # Every inner reduction rebased the group first, so no outer-reduced value is
-        # left in it (``outer_reduced`` is False here).
-        self._state[group].outer_reduced = True
+        # left in it (``main_grads`` is not OUTER_REDUCED here).
+        self._state[group].move(MainGradState.OUTER_REDUCED)
         main, outer = group.main_grads, group.dp.outer_group
         label = f"outer:{group.label}"
         if group.hfsdp and group.strategy.shards_optimizer:
@@ -590,10 +624,12 @@ class GradReducePipeline:
         or reducing the edit once per rank (ZeRO-0/1)."""
         state = self._state[group]
         state.reductions_since_zero = max(state.reductions_since_zero, 1)
-        if group.strategy.shards_grads:
-            state.outer_reduced = group.dp.outer_group is not None
-        else:
-            state.holds_reduced = True
+        if not group.strategy.shards_grads:
+            self._mark_reduced(state)
+        elif group.dp.outer_group is not None:
+            state.move(MainGradState.OUTER_REDUCED)
+        elif state.main_grads is MainGradState.OUTER_REDUCED:
+            state.move(MainGradState.ACCUMULATING)
 
     def raise_if_nonfinite(self) -> None:
         """check_for_nan: once per step, after every reduction (see nan_check)."""
@@ -603,7 +639,7 @@ class GradReducePipeline:
         """Before gradients accumulate: rebase buffers that hold a reduced value."""
         for group in self.groups:
             self.rebase(group)
-            self._state[group].unreduced_backward = True
+            self._state[group].backwards_since_launch += 1
 
     def end_backward(self) -> None:
         """Write the stashes of groups not reduced in this pass; forget which gradients
@@ -612,8 +648,7 @@ class GradReducePipeline:
             self._flush_group(group)
         for state in self._state.values():
             state.ready.clear()
-            state.launched = False
-            state.requested = False
+            state.move(GroupReduceState.IDLE)
 
     @torch.no_grad()
     def sync_usage(self) -> None:
@@ -662,7 +697,7 @@ class GradReducePipeline:
                         param.grad = None
                 state.used.zero_()
                 state.reductions_since_zero = 0
-                state.holds_reduced = state.outer_reduced = False
+                state.move(MainGradState.ACCUMULATING)
                 self.global_used.pop(g, None)
                 state.grads.clear()
                 continue

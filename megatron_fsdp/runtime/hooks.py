@@ -13,13 +13,15 @@ releases what is still gathered and finishes the gradient sync.
 
 [Note: activation recomputation] A checkpointed unit re-runs its forward inside
 its backward. The pre-backward hook fires first (it hangs off the unit's outputs)
-and marks the unit PRE_BACKWARD; the forward hooks see that mark and neither
-gather nor release, so the unit is gathered once for the whole recompute+backward.
+and marks the unit PRE_BACKWARD; the forward hooks see that mark (or POST_BACKWARD,
+once the walk passed the unit) and neither gather nor release, so the unit is
+gathered once for the whole recompute+backward.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import weakref
 from typing import Any, Callable, Optional
@@ -31,7 +33,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.profiler import record_function
 
 from .all_gather_pipeline import AllGatherPipeline
-from ..enums import ShardingStrategy, TrainingState
+from ..enums import BackwardMode, ShardingStrategy, TrainingState
 from .grad_reduce_pipeline import GradReducePipeline
 from .backward_outputs import grad_tensors, refuse_hidden_grad_tensors
 from ..buffers.param_and_grad_buffer import ParamAndGradBuffer, ParameterGroup
@@ -46,19 +48,27 @@ logger = logging.getLogger(__name__)
 _eager = torch.compiler.disable
 
 
+@functools.cache  # once per process: see the note
 def guard_hooks_under_compile() -> None:
     """[Note: compiled graphs and unit hooks] By default torch.compile does not guard on
     module hooks (``torch._dynamo.config.skip_nnmodule_hook_guards``): a graph traced
     for one model of a class served another whose units hook other modules (no_shard
     has none; ZeRO-3 must gather each unit in its hook), which then read released
-    storage: a segfault, or a wrong number where storage stays allocated. Wrapping a
-    model therefore turns the hook guards on, process-wide; they only add checks,
-    and recompile a graph whose modules' hooks changed."""
+    storage: a segfault, or a wrong number where storage stays allocated. So the hook
+    guards are turned on; they only add checks, and recompile a graph whose modules'
+    hooks changed.
+
+    * Process-wide, because dynamo's settings are: there is no per-model or per-graph
+      switch, and the graphs at risk are cached for the process.
+    * When: at the first wrap in the process (``MegatronFSDP`` starting its runtime,
+      ``experimental.fully_shard``), never at import; ``functools.cache`` makes later
+      wraps return at once, so a process that sets it back afterwards keeps its choice.
+    * Logged at INFO when it changes the setting (nothing to say if it was already off)."""
     import torch._dynamo.config as config  # already imported by torch.compiler.disable above
 
     if getattr(config, "skip_nnmodule_hook_guards", False):
         logger.info("megatron_fsdp: torch._dynamo.config.skip_nnmodule_hook_guards set to False "
-                    "(compiled graphs must see the unit hooks; see hooks.py)")
+                    "for this process (compiled graphs must see the unit hooks; see hooks.py)")
         config.skip_nnmodule_hook_guards = False
 
 
@@ -146,21 +156,19 @@ class HookRuntime:
         # [Note: one unit sequence on every rank] With gathers in backward (ZeRO-3),
         # reductions wait for the walk to move past their unit.
         self.reduce_at_boundaries = any(g.strategy.shards_params and g.model_weights.is_distributed for g in buffer.groups)
-        self._backward_queued = False
+        self._mode = BackwardMode.IDLE
+        """How the current (or, between passes, the next) backward is run; changed only by
+        ``_enter`` ([Note: several forwards, one backward], [Note: higher-order gradients])."""
         self._released_in_backward: set[FSDPUnit] = set()
         """Units whose gathered weights this backward pass released (walk passed them)."""
         self._training_forwards = 0
         """Training forwards since the last backward began ([Note: several forwards, one backward])."""
         self._unit_reran = False
-        """A unit's forward ran again within one forward (weights shared across layers)."""
+        """A unit's forward ran again within one forward (weights shared across layers).
+        With ``_training_forwards``, what the forwards saw: the next backward's mode is
+        decided from them, and they start afresh when it begins."""
         self._finished: set[FSDPUnit] = set()
         """Units whose forward finished in the current forward."""
-        self._several_forwards = False
-        """The current backward serves more than one forward of some unit."""
-        self._higher_order = False
-        """A create_graph backward left a graph that reads gathered weights ([Note: higher-order gradients])."""
-        self._create_graph = False
-        """The current backward builds a graph (create_graph=True)."""
         self._logged_several = False
         self._handles: list[Any] = []
 
@@ -247,10 +255,15 @@ class HookRuntime:
             self.all_gather.reshard(self.root_groups)
         return output
 
+    def _enter(self, mode: BackwardMode) -> None:
+        """The one place the backward mode changes: checked against its legal transitions."""
+        self._mode = self._mode.check_transition(mode, owner="the hook runtime's backward mode")
+
     @_eager
     def _root_pre_backward(self, grad: Any) -> None:
-        if not self._backward_queued:
-            self._backward_queued = True
+        if not self._mode.in_backward:
+            several = self._begin_several_forwards()
+            self._enter(self._backward_mode(several))
             Variable._execution_engine.queue_callback(self._post_backward_final)
             # A second backward through a retained graph finds the root's weights
             # released at the end of the first one.
@@ -258,11 +271,9 @@ class HookRuntime:
             self._backward_walk = self.schedule.backward_walk()
             self._unrequested = []
             self._released_in_backward = set()
-            self._begin_several_forwards()
-            self._begin_higher_order()
             self.on_backward_start()
 
-    def _begin_several_forwards(self) -> None:
+    def _begin_several_forwards(self) -> bool:
         """[Note: several forwards, one backward] ``loss = f(model(a)) + f(model(b))``, or
         a unit called twice in one forward (weights shared across layers), gives a unit
         several backwards in one pass, and autograd hands its parameters' gradients over
@@ -276,14 +287,14 @@ class HookRuntime:
         to keep the overlap."""
         several = self.reduce_at_boundaries and (self._training_forwards > 1 or self._unit_reran)
         self._training_forwards, self._unit_reran = 0, False
-        self._several_forwards = several
         if several and not self._logged_several:
             self._logged_several = True
             logger.info("megatron_fsdp: a backward serves several forwards of an FSDP unit (ZeRO-3): units stay "
                         "gathered until their gradients are complete and reductions run after the backward. "
                         "Wrap forwards that are not backpropagated in torch.no_grad() to keep the overlap.")
+        return several
 
-    def _begin_higher_order(self) -> None:
+    def _backward_mode(self, several: bool) -> BackwardMode:
         """[Note: higher-order gradients] A backward with ``create_graph=True`` (a
         gradient penalty: ``torch.autograd.grad(out, x, create_graph=True)``, then
         ``backward()`` of a loss built from it) records a graph whose nodes read the
@@ -293,18 +304,19 @@ class HookRuntime:
         the next one, keep every unit gathered, as several forwards do, and reduce at
         the end; the weights go at the end of the next backward without
         create_graph (or at the step). Autograd runs hooks in the graph's grad mode,
-        which is how ``create_graph`` is seen here."""
-        if not self.reduce_at_boundaries:
-            return  # weights that are never released need nothing
-        self._create_graph = torch.is_grad_enabled()
-        if self._create_graph or self._higher_order:
-            self._several_forwards = True
-        self._higher_order |= self._create_graph
+        which is how ``create_graph`` is seen here; weights that are never released
+        (no ``reduce_at_boundaries``) need none of it. ``several``: [Note: several
+        forwards, one backward]."""
+        if self.reduce_at_boundaries and torch.is_grad_enabled():
+            return BackwardMode.CREATE_GRAPH
+        if self._mode is BackwardMode.GRAPH_RETAINED:
+            return BackwardMode.AFTER_CREATE_GRAPH
+        return BackwardMode.SEVERAL_FORWARDS if several else BackwardMode.OVERLAPPED
 
     # -- units --------------------------------------------------------------------
     @_eager
     def pre_forward(self, unit: FSDPUnit, module: nn.Module) -> None:
-        if unit.state is TrainingState.PRE_BACKWARD:
+        if unit.state.in_backward:
             return  # recompute inside backward: already gathered
         self.refuse_direct_call(unit, module)  # before any gather: the schedule stays as it was
         self._close_open_units(unit)
@@ -312,7 +324,7 @@ class HookRuntime:
             self._visit_skipped_forward(skipped)
         if torch.is_grad_enabled():
             # [Note: several forwards, one backward]; a recompute inside backward is not a rerun.
-            self._unit_reran |= unit in self._finished and not self._backward_queued
+            self._unit_reran |= unit in self._finished and not self._mode.in_backward
             self.schedule.observe(unit)
         unit.state = TrainingState.FORWARD
         if unit not in self._open:
@@ -340,7 +352,7 @@ class HookRuntime:
     def post_forward(self, unit: FSDPUnit, output: Any, *, last: bool = True) -> Any:
         """``last``: the output of the unit's last module (a merged unit releases
         its weights only after all its modules ran)."""
-        if unit.state is TrainingState.PRE_BACKWARD:
+        if unit.state.in_backward:
             return output
         training = torch.is_grad_enabled()
         keep = not last or self._keep_gathered(unit)
@@ -381,13 +393,13 @@ class HookRuntime:
     @_eager
     def pre_backward(self, unit: FSDPUnit) -> None:
         self._root_pre_backward(None)
-        if unit.state is TrainingState.PRE_BACKWARD:
+        if unit.state.in_backward:
             if unit in self._released_in_backward:
                 raise RuntimeError(_revisit_message(unit))
             return  # another output of a unit in backward, or a merged unit's next module
         for skipped in self._backward_walk.catch_up(unit):
             self._visit_backward(skipped)
-            if not self._several_forwards:  # else another forward's backward may still use it
+            if not self._mode.reduces_at_end:  # else another forward's backward may still use it
                 self.all_gather.reshard([g for g in skipped.groups if g.requires_grad])  # no gradient will come
         self._visit_backward(unit)
 
@@ -405,7 +417,7 @@ class HookRuntime:
         is still to come for them, so their weights go (even with parameters that
         got none) and, with ``reduce_at_boundaries``, their reductions may start (in
         order)."""
-        if self._several_forwards and current is not None:
+        if self._mode.reduces_at_end and current is not None:
             return  # [Note: several forwards, one backward]: all of it at the end
         sync = self.sync_enabled()
         enclosing = self._ancestors.get(current, set()) if current is not None else set()
@@ -414,11 +426,12 @@ class HookRuntime:
             if passed in enclosing:
                 still_open.append(passed)
                 continue
+            passed.state = TrainingState.POST_BACKWARD
             trainable = [g for g in passed.groups if g.requires_grad]
             if self.reduce_at_boundaries:
                 for group in trainable:
                     self.grad_reduce.reduce(group, sync=sync)
-            if self._create_graph:
+            if self._mode is BackwardMode.CREATE_GRAPH:
                 continue  # [Note: higher-order gradients]: the next backward reads them
             self.all_gather.reshard(trainable)
             if any(g.model_weights.is_distributed for g in trainable):
@@ -443,7 +456,7 @@ class HookRuntime:
         # Every use of these weights has produced its gradient: they are free to go
         # (the root's stay inside no_sync: [Note: root groups across micro batches];
         # a higher-order graph may still read them: [Note: higher-order gradients]).
-        if (group.unit is not None or self.sync_enabled()) and not self._higher_order:
+        if (group.unit is not None or self.sync_enabled()) and not self._mode.graph_reads_weights:
             self.all_gather.reshard([group])
 
     @_eager
@@ -461,13 +474,12 @@ class HookRuntime:
             # per micro batch, as upstream does. Only the step changes weights, and it
             # releases every gathered sharded group (install_optimized_model_weights).
             keep = set() if sync else set(self.root_groups)
-            if self._create_graph:  # [Note: higher-order gradients]: the next backward reads them
+            retained = self._mode is BackwardMode.CREATE_GRAPH
+            if retained:  # [Note: higher-order gradients]: the next backward reads them
                 keep = set(self.buffer.groups)
-            else:
-                self._higher_order = False
             self.all_gather.reshard([g for g in self.buffer.groups if g not in keep])
             for unit in self.units:
                 unit.state = TrainingState.IDLE
             self.grad_reduce.end_backward()
-            self._backward_queued = False
+            self._enter(BackwardMode.GRAPH_RETAINED if retained else BackwardMode.IDLE)
             self.on_backward_end()
