@@ -27,6 +27,8 @@ alone) does not bring in the engine and torch with it.
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import Any
 
 from .package_info import __version__  # noqa: F401
@@ -74,3 +76,23 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_EXPORTS))
+
+
+class _PackageRoot(types.ModuleType):
+    """[Note: fully_shard, the module and the function] Upstream names a module and its
+    main function alike: ``megatron_fsdp.fully_shard`` is the function, ``import
+    megatron_fsdp.fully_shard`` loads the module. Importing a submodule makes the import
+    system set it as an attribute of its package, which would hide the function once the
+    module loads (an eager ``__init__`` rebinds the name afterwards; a lazy one cannot).
+    This attribute keeps naming the function; the module stays in ``sys.modules``."""
+
+    @property
+    def fully_shard(self) -> Any:
+        return importlib.import_module(".fully_shard", __name__).fully_shard
+
+    @fully_shard.setter
+    def fully_shard(self, module: types.ModuleType) -> None:
+        """The import system recording the submodule: ``sys.modules`` holds it already."""
+
+
+sys.modules[__name__].__class__ = _PackageRoot

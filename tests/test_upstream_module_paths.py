@@ -63,3 +63,15 @@ def test_upstream_module_path_imports_with_its_names(path):
 def test_names_not_provided_are_really_absent(path, name):
     """When one of these is added, move it to IMPORTED (this test then says so)."""
     assert not hasattr(importlib.import_module(path), name), f"{path}.{name} exists now: list it in IMPORTED"
+
+
+def test_fully_shard_stays_the_function_after_its_module_loads():
+    """[Note: fully_shard, the module and the function] (megatron_fsdp/__init__.py)."""
+    import subprocess
+    import sys
+
+    code = ("import megatron_fsdp as mf, megatron_fsdp.fully_shard, megatron_fsdp.tools.simulate, sys\n"
+            "assert callable(mf.fully_shard) and mf.fully_shard.__name__ == 'fully_shard', mf.fully_shard\n"
+            "from megatron_fsdp import fully_shard\n"
+            "assert fully_shard is sys.modules['megatron_fsdp.fully_shard'].fully_shard\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
