@@ -29,6 +29,7 @@ from .mixed_precision import MixedPrecisionPolicy
 from .runtime.wrap_checks import check_module
 from .runtime.wrapped_model_guards import RefusesCopies, guard_module, refuse_moves, release_module
 from .runtime.owners import COMPUTE_OWNERS, OWNERS, WRAPPED
+from .optimizer import guard_optimizer_steps
 from .buffers.param_and_grad_buffer import ParamAndGradBuffer
 from .runtime.registered_params import RegisteredParams
 from .buffers.units import NO_SHARD_UNIT_SIZE, UnitSpec, merge_units, slot_plan, split_into_parameter_owners
@@ -233,6 +234,7 @@ class MegatronFSDP(RefusesCopies, nn.Module):
                 OWNERS[param] = self
             for param in group.params:
                 COMPUTE_OWNERS[param] = self
+        guard_optimizer_steps(self)  # [Note: step checks]: every optimizer's step, from now on
         self._requires_grad = {p: p.requires_grad for g in buffer.groups for p in g.params}
         """Compute parameter -> requires_grad as last synchronised with its distributed twin."""
         self._edits = WeightEdits(buffer, self.all_gather_pipeline, self.dist_index, self.grad_reduce_pipeline)

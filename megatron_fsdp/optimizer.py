@@ -18,19 +18,27 @@ Per ``optimizer.step(...)``::
 Gradient zeroing needs no hook: ``optimizer.zero_grad()`` (or ``model.zero_grad()``,
 or ``p.grad = None``) clears the distributed parameters' ``.grad``, and the model
 zeroes the matching gradient buffers when the next backward pass begins.
+
+An optimizer built by hand on a wrapped model's parameters is bound at its first
+step, and one that misuses them is refused, by torch's global step pre-hook, which
+the first wrapped model registers ([Note: step checks]); importing registers nothing.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
-from typing import Any, Optional
+import operator
+import weakref
+from typing import Any, Optional, Protocol
 
 import torch
+import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
+from torch.utils.weak import WeakIdKeyDictionary
 
-from .megatron_fsdp import MegatronFSDP
 from .runtime.owners import compute_owner_of, owner_of
 from .state.eager_state import init_optimizer_state
 from .state.optimizer_state_dict import state_dict_hooks
@@ -46,12 +54,26 @@ logger = logging.getLogger(__name__)
 _STEP_KWARGS = ("sync_grad_before_optimizer_step", "install_optimized_model_weights")
 
 
+class SteppedModel(Protocol):
+    """What an optimizer reads from the models it steps (``megatron_fsdp.MegatronFSDP``,
+    which imports this module to guard optimizer steps: [Note: step checks])."""
+
+    model_auto_sync: bool
+    param_and_grad_buffer: Any
+
+    def check_distributed_params(self) -> None: ...
+
+    def finish_grad_sync(self) -> None: ...
+
+    def install_optimized_model_weights(self) -> None: ...
+
+
 class OptimizerBinding:
     """The models one optimizer updates, the step hooks that keep them in sync, and
     the state-dict hooks that hand out (and take back) its state in standard form.
     Stored on the optimizer as ``optimizer.megatron_fsdp_binding``."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, models: list[MegatronFSDP]) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, models: list[SteppedModel]) -> None:
         self.models = models
         self._install = True
         self._swapped: Optional[_LocalSwap] = None
@@ -131,7 +153,7 @@ def bind_optimizer(optimizer: torch.optim.Optimizer, *, create_state: bool = Tru
     existing = getattr(optimizer, "megatron_fsdp_binding", None)
     if existing is not None:
         return existing
-    models: list[MegatronFSDP] = []
+    models: list[SteppedModel] = []
     for group in optimizer.param_groups:
         for param in group["params"]:
             owner = owner_of(param)
@@ -163,7 +185,7 @@ def _foreign_param_message(param: torch.Tensor) -> str:
 
 
 def check_step_inputs(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-    """Global step pre-hook, before any weight changes.
+    """Before any weight changes, through the global step pre-hook ([Note: step checks]).
 
     * An optimizer stepping the wrapped module's compute parameters would train
       silently wrong (they are overwritten after each step, and under ZeRO-1/2/3
@@ -210,8 +232,82 @@ def check_step_inputs(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dic
                 type(optimizer).__name__)
 
 
-# Registered once per process: runs before every optimizer's step.
-register_optimizer_step_pre_hook(check_step_inputs)
+# -- the process-wide step check: registered at the first wrap, free for other optimizers ---
+class _Passed:
+    """An optimizer's param groups (their parameters, in order) and binding as they
+    were when its step last passed ``check_step_inputs``, in generation ``generation``
+    of the wrapped models. Holds the parameters strongly, so that none of their ids
+    is reused while the record stands."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, generation: int) -> None:
+        self.generation = generation
+        self.binding = getattr(optimizer, "megatron_fsdp_binding", None)
+        self.groups = [list(group["params"]) for group in optimizer.param_groups]
+
+    def still(self, optimizer: torch.optim.Optimizer, generation: int) -> bool:
+        groups = optimizer.param_groups
+        return (
+            generation == self.generation
+            and getattr(optimizer, "megatron_fsdp_binding", None) is self.binding
+            and len(groups) == len(self.groups)
+            and all(
+                len(group["params"]) == len(saved) and all(map(operator.is_, group["params"], saved))
+                for group, saved in zip(groups, self.groups)
+            )
+        )
+
+
+class _StepGuard:
+    """[Note: step checks] ``check_step_inputs`` must see the step of every optimizer in
+    the process: a hand-built one (on ``model.parameters()``, or on the compute
+    parameters) is not known to megatron_fsdp before its first step, so only
+    torch's global step pre-hook reaches it. Nothing is registered at import: each
+    ``MegatronFSDP`` calls ``guard_optimizer_steps(self)`` once its parameters are
+    registered as owned (runtime/owners.py), and the first call registers the hook.
+    Until then no parameter of ours exists, so no step could be refused.
+
+    Other optimizers then pay no ownership lookup per parameter per step:
+    * while no wrapped model is alive the hook returns at once (no parameter has an
+      owner: the owner maps hold their models weakly);
+    * an optimizer whose step passed is remembered with its param groups and binding
+      (``_Passed``); its later steps compare parameter identities (microseconds for
+      hundreds of parameters) and skip the lookups while nothing changed. Wrapping a
+      model is the only way a parameter gains an owner, and it starts a new
+      generation, which sends every optimizer through the full check once more.
+      Unwrapping or freeing a model only removes owners, which cannot turn a passed
+      check into a refusal."""
+
+    def __init__(self) -> None:
+        self.handle: Optional[RemovableHandle] = None
+        self.models: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+        self.generation = 0
+        self.passed = WeakIdKeyDictionary()
+        """Optimizer (by identity, held weakly) -> its ``_Passed``."""
+
+    def watch(self, model: nn.Module) -> None:
+        self.models.add(model)
+        self.generation += 1
+        if self.handle is None:
+            self.handle = register_optimizer_step_pre_hook(self.pre_step)
+
+    def pre_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        if not self.models:
+            return
+        passed = self.passed.get(optimizer)
+        if passed is not None and passed.still(optimizer, self.generation):
+            return
+        check_step_inputs(optimizer, args, kwargs)
+        self.passed[optimizer] = _Passed(optimizer, self.generation)
+
+
+_STEP_GUARD = _StepGuard()
+
+
+def guard_optimizer_steps(model: nn.Module) -> None:
+    """From now on every optimizer step in the process is checked against ``model``'s
+    parameters ([Note: step checks]); the first call registers torch's global step
+    pre-hook (process-wide, as the wrapping that calls it)."""
+    _STEP_GUARD.watch(model)
 
 
 # -- running the step on local tensors -----------------------------------------------------
@@ -336,7 +432,7 @@ def _restore_state(optimizer: torch.optim.Optimizer, param: DTensor, local: torc
 
 
 # -- fully_shard(module, optimizer): the same optimizer over the sharded parameters -------
-def rebuild_optimizer(old: torch.optim.Optimizer, module: torch.nn.Module, model: MegatronFSDP) -> torch.optim.Optimizer:
+def rebuild_optimizer(old: torch.optim.Optimizer, module: torch.nn.Module, model: SteppedModel) -> torch.optim.Optimizer:
     """A new optimizer of ``old``'s class, hyper-parameters and param-group layout over
     ``model``'s distributed parameters. Only the keywords its ``__init__`` accepts
     are passed (``defaults`` also holds derived entries some versions add)."""

@@ -70,7 +70,7 @@ def timeout_worker(rank, world):
     finally:
         collectives.wait_work = real_wait
     return (
-        a.all_gather_pipeline.timeout, b.grad_reduce_pipeline.timeout, collectives._default_timeout,
+        a.all_gather_pipeline.timeout, b.grad_reduce_pipeline.timeout, getattr(collectives, "set_collective_timeout", None),
         set(seen_a), set(seen_b),
     )
 

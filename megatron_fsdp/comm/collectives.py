@@ -97,23 +97,12 @@ class CollectiveError(RuntimeError):
 #   (``init_process_group(timeout=...)`` or ``new_group(timeout=...)``; set
 #   ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``, the default, to abort on it).
 
-_default_timeout: Optional[datetime.timedelta] = None
-
-
 def as_timeout(seconds: Optional[float]) -> Optional[datetime.timedelta]:
     if seconds is None:
         return None
     if seconds <= 0:
         raise ValueError(f"collective_timeout_s={seconds} must be positive (or None for the process group's timeout)")
     return datetime.timedelta(seconds=seconds)
-
-
-def set_collective_timeout(seconds: Optional[float]) -> None:
-    """Process-wide fallback for collectives issued without a timeout of their own
-    (``None``: the process group's). Models carry theirs in
-    ``DistributedDataParallelConfig.collective_timeout_s``; prefer that."""
-    global _default_timeout
-    _default_timeout = as_timeout(seconds)
 
 
 def wait_work(work, timeout: Optional[datetime.timedelta], *, on_device: bool) -> None:
@@ -192,7 +181,10 @@ def _error(
 # the sentinel dies with the work. ``Handle.wait()`` hands the sentinel to
 # ``_released``, and an atexit hook (atexit runs before finalization) sleeps, letting
 # go of the GIL, until every released work is freed: usually none is left, and one
-# costs the time its worker thread needs to be scheduled (about 1 ms). Works never
+# costs the time its worker thread needs to be scheduled (about 1 ms). The hook is
+# registered the first time a collective over CPU tensors is launched here (the first
+# sentinel), not at import: a process that never issues one has nothing to wait for,
+# and importing the package leaves its exit alone. Works never
 # waited (a handle dropped in flight) are not awaited: finish_param_sync() first.
 # CPU tensors (gloo) only: NCCL's works are held and freed by its watchdog on its own
 # schedule, and the CUDA path is kept as it was measured on a GPU.
@@ -209,6 +201,7 @@ _EXIT_WAIT_S = 2.0  # a bound, should a released work never be freed
 def _launch_with_sentinel(launch: Callable[[], Any]) -> tuple[Any, Optional[_WorkSentinel]]:
     if not _tls_api:
         return launch(), None
+    _wait_for_released_works_at_exit()
     sentinel = _WorkSentinel()
     torch._C._stash_obj_in_tls(_SENTINEL_KEY, sentinel)
     try:
@@ -217,11 +210,21 @@ def _launch_with_sentinel(launch: Callable[[], Any]) -> tuple[Any, Optional[_Wor
         torch._C._remove_obj_from_tls(_SENTINEL_KEY)
 
 
-@atexit.register
 def _await_released_works() -> None:
     deadline = time.monotonic() + _EXIT_WAIT_S
     while len(_released) and time.monotonic() < deadline:
         time.sleep(0.001)
+
+
+_exit_wait_registered = False
+
+
+def _wait_for_released_works_at_exit() -> None:
+    """Register ``_await_released_works`` with atexit, once per process."""
+    global _exit_wait_registered
+    if not _exit_wait_registered:
+        _exit_wait_registered = True
+        atexit.register(_await_released_works)
 
 
 def _issue(
@@ -236,7 +239,6 @@ def _issue(
     """Launch asynchronously always, so that a synchronous call also waits with the
     timeout and fails with a named error instead of hanging. ``launch`` returns a
     ``Work`` or a (works, finish) pair from a point-to-point transport."""
-    timeout = timeout if timeout is not None else _default_timeout
     try:
         on_device = tensors[0].device.type != "cpu"
         launched, sentinel = _launch_with_sentinel(launch) if not on_device else (launch(), None)

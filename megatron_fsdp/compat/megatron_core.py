@@ -36,15 +36,6 @@ _UNIT_LAYER_CLASSES = (
 )
 
 
-def megatron_core_available() -> bool:
-    """True when ``megatron.core`` imports (it is installed and its deps are present)."""
-    try:
-        importlib.import_module("megatron.core")
-    except ImportError:
-        return False
-    return True
-
-
 def require_megatron_core(feature: str) -> None:
     """Raise a clear ``ImportError`` when ``feature`` needs megatron-core and it is absent."""
     try:

@@ -194,7 +194,7 @@ def engine_of(model):
 def _param_keys(model, engine, optimizer: torch.optim.Optimizer) -> list[list[tuple[str, list[str]]]]:
     """For each optimizer param group, each parameter's (name, every key the model
     entry holds it under: tied weights have several), as ``named_parameters`` names it."""
-    from megatron_fsdp.state.model_state_dict import _alias_names, torch_key
+    from megatron_fsdp.state import alias_names, torch_key
 
     keys_of: dict[int, tuple[str, list[str]]] = {}
     if engine is None:
@@ -203,7 +203,7 @@ def _param_keys(model, engine, optimizer: torch.optim.Optimizer) -> list[list[tu
     else:
         buffer = engine.param_and_grad_buffer
         by_raw = {raw: param for raw, param in buffer.named_dist_params()}
-        for alias, raw in _alias_names(engine).items():
+        for alias, raw in alias_names(engine).items():
             keys_of.setdefault(id(by_raw[raw]), (torch_key(raw), []))[1].append(alias)
     out = []
     for group in optimizer.param_groups:
