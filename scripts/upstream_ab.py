@@ -695,7 +695,8 @@ def run_ab(upstream_wheel: Path | None, out: Path, device: str, *, self_check: b
     return record
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line, shared with ``upstream_ab_patterns.py`` (which ``--world > 1`` runs)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--upstream-wheel", type=Path, help="upstream megatron_fsdp wheel (pure Python)")
     parser.add_argument("--out", default="results/upstream_ab")
@@ -712,6 +713,28 @@ def main() -> None:
     parser.add_argument("--pkg-root", help=argparse.SUPPRESS)
     parser.add_argument("--cpu-shim", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--fallback-path", help=argparse.SUPPRESS)
+    return parser
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.upstream_wheel is None and not args.self_check:
+        parser.error("--upstream-wheel PATH is required (or --self-check)")
+    if (args.world > 1 or args.patterns) and args.device != "cpu":
+        parser.error("--world > 1 / --patterns run on --device cpu only")  # one GPU cannot host N NCCL ranks
+
+
+def report(record: dict, out: Path) -> None:
+    """Print each section's verdict and exit 0 when every section passed."""
+    for name, section in record.get("sections", {}).items():
+        worst = [r.get("max_abs_diff_weights") for r in section["rows"] if r.get("max_abs_diff_weights") is not None]
+        print(f"[upstream_ab] {name}: passed={section['passed']} rows={len(section['rows'])}"
+              + (f" worst weight diff={max(worst):.3g}" if worst else ""))
+    print(f"[upstream_ab] passed={record['passed']} ({record['seconds']} s); wrote {out / 'upstream_ab.json'}")
+    sys.exit(0 if record["passed"] else 1)
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
     if args.worker:
         try:
@@ -720,27 +743,15 @@ def main() -> None:
             (Path(args.out) / args.worker).mkdir(parents=True, exist_ok=True)
             (Path(args.out) / args.worker / "failed").touch()
             raise
-    if args.upstream_wheel is None and not args.self_check:
-        parser.error("--upstream-wheel PATH is required (or --self-check)")
+    check_args(parser, args)
     if args.world > 1 or args.patterns:
-        if args.device != "cpu":  # the ranks run on gloo; one GPU cannot host N NCCL ranks
-            parser.error("--world > 1 / --patterns run on --device cpu only")
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        import upstream_ab_patterns
-
-        record = upstream_ab_patterns.run_multi(args.upstream_wheel, Path(args.out), world=args.world,
-                                                patterns=args.patterns or "plain", self_check=args.self_check,
-                                                strategies=args.strategies, precisions=args.precisions,
-                                                checkpoint=args.checkpoint, resume_from=args.resume_from)
-    else:
-        record = run_ab(args.upstream_wheel, Path(args.out), args.device, self_check=args.self_check,
-                        strategies=args.strategies, precisions=args.precisions, checkpoint=args.checkpoint)
-    for name, section in record.get("sections", {}).items():
-        worst = [r.get("max_abs_diff_weights") for r in section["rows"] if r.get("max_abs_diff_weights") is not None]
-        print(f"[upstream_ab] {name}: passed={section['passed']} rows={len(section['rows'])}"
-              + (f" worst weight diff={max(worst):.3g}" if worst else ""))
-    print(f"[upstream_ab] passed={record['passed']} ({record['seconds']} s); wrote {Path(args.out) / 'upstream_ab.json'}")
-    sys.exit(0 if record["passed"] else 1)
+        # The multi-rank patterns are their own script, which builds on this one's
+        # library; it takes the same command line.
+        patterns = Path(__file__).resolve().with_name("upstream_ab_patterns.py")
+        sys.exit(subprocess.call([sys.executable, str(patterns), *sys.argv[1:]]))
+    record = run_ab(args.upstream_wheel, Path(args.out), args.device, self_check=args.self_check,
+                    strategies=args.strategies, precisions=args.precisions, checkpoint=args.checkpoint)
+    report(record, Path(args.out))
 
 
 if __name__ == "__main__":

@@ -626,7 +626,7 @@ def resume_all(roots, out: Path, world: int, opts: list[str], self_check: bool, 
     return section
 
 
-def main() -> None:
+def rank_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="one rank of one side (started by run_multi)")
     parser.add_argument("--side", choices=ab.SIDES, required=True)
     parser.add_argument("--rank", type=int, required=True)
@@ -641,7 +641,21 @@ def main() -> None:
     parser.add_argument("--checkpoint", action="store_true")
     parser.add_argument("--phase", choices=("train", "resume"), default="train")
     parser.add_argument("--sources", help="resume phase: JSON [[saver side, checkpoint root, tag], ...]")
-    rank_main(parser.parse_args())
+    return parser
+
+
+def main() -> None:
+    """One rank of one side (``--side``, started by ``run_multi``), or the whole run with
+    ``upstream_ab.py``'s command line (which hands ``--world > 1`` / ``--patterns`` here)."""
+    if "--side" in sys.argv[1:]:
+        return rank_main(rank_parser().parse_args())
+    parser = ab.build_parser()
+    args = parser.parse_args()
+    ab.check_args(parser, args)
+    record = run_multi(args.upstream_wheel, Path(args.out), world=args.world, patterns=args.patterns or "plain",
+                       self_check=args.self_check, strategies=args.strategies, precisions=args.precisions,
+                       checkpoint=args.checkpoint, resume_from=args.resume_from)
+    ab.report(record, Path(args.out))
 
 
 if __name__ == "__main__":
