@@ -19,11 +19,11 @@ if [ -f scripts/setup_megatron_core.sh ]; then
   bash scripts/setup_megatron_core.sh
 fi
 # Optional data/tokenizer extras, none of which depends on torch: `regex` compiles GPT-2's
-# word pattern (megatron_fsdp/training/tokenizers.py has a pure-`re` fallback) and
+# word pattern (megatron_fsdp/training/data/tokenizers.py has a pure-`re` fallback) and
 # `tokenizers` is the fast GPT-2 BPE backend and reads HuggingFaceTokenizer directories
 # (tokenizer.json). Without them everything still works, slower or with a clear message.
 "$PY" -m pip install -q regex tokenizers || echo "setup_env: WARNING: could not install regex/tokenizers (optional)" >&2
 # Optional: `sentencepiece` reads the --tokenizer-model of GPTSentencePieceTokenizer, Llama2Tokenizer and
-# SentencePieceTokenizer (megatron_fsdp/training/sentencepiece_tokenizers.py); it has no dependencies,
+# SentencePieceTokenizer (megatron_fsdp/training/data/sentencepiece_tokenizers.py); it has no dependencies,
 # and --no-deps keeps pip from ever touching torch. Without it those types are refused at validation.
 "$PY" -m pip install -q --no-deps sentencepiece || echo "setup_env: WARNING: could not install sentencepiece (optional)" >&2
