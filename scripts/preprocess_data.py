@@ -29,24 +29,14 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _load(module: str, relpath: str):
-    """Import one of our modules by file: ``indexed.py`` needs only numpy and ``tokenizers.py``
-    only the standard library, while importing the ``megatron_fsdp`` package brings in torch
-    (seconds per worker process for nothing)."""
-    import importlib.util
+sys.path.insert(0, REPO)  # this checkout's package, installed or not
 
-    if module in sys.modules:
-        return sys.modules[module]
-    spec = importlib.util.spec_from_file_location(module, os.path.join(REPO, relpath))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[module] = mod
-    spec.loader.exec_module(mod)
-    return mod
+# Leaf modules only: the package roots load lazily ([Note: lazy package root]), so the
+# workers import the reader/writer and the tokenizers without torch.
+from megatron_fsdp.training.data import indexed as _indexed  # noqa: E402
+from megatron_fsdp.training.data import sentences as _sentences  # noqa: E402
+from megatron_fsdp.training.data import tokenizers as _tokenizers  # noqa: E402
 
-
-_indexed = _load("megatron_fsdp.training.data.indexed", "megatron_fsdp/training/data/indexed.py")
-_tokenizers = _load("megatron_fsdp.training.data.tokenizers", "megatron_fsdp/training/data/tokenizers.py")
-_sentences = _load("megatron_fsdp.training.data.sentences", "megatron_fsdp/training/data/sentences.py")
 IndexedDatasetWriter, bin_path, idx_path, optimal_dtype = (
     _indexed.IndexedDatasetWriter, _indexed.bin_path, _indexed.idx_path, _indexed.optimal_dtype)
 TOKENIZER_CHOICES, build_tokenizer = _tokenizers.TOKENIZER_CHOICES, _tokenizers.build_tokenizer

@@ -20,6 +20,7 @@ import pytest
 
 from launcher_inprocess import load_pretrain_script, run_launcher
 from megatron_fsdp.training import data as data_mod
+from megatron_fsdp.training.data import from_args
 from megatron_fsdp.training.args.arguments import ArgumentError, parse_args
 from megatron_fsdp.training.data import TrainValidTestDatasets, train_valid_test_num_samples
 
@@ -73,10 +74,10 @@ def test_validation_split_is_sized_by_the_evaluation_batch(monkeypatch):
         asked.append(tuple(kwargs["num_samples"]))
         return TrainValidTestDatasets(train=None, valid=None, test=None, backend=data_mod.Backend.NATIVE)
 
-    monkeypatch.setattr(data_mod, "build_train_valid_test_datasets", fake_build)
+    monkeypatch.setattr(from_args, "build_train_valid_test_datasets", fake_build)
     args = _parse("--train-iters 20 --global-batch-size 2 --eval-interval 10 --eval-iters 3 "
                   "--eval-global-batch-size 8 --mock-data --vocab-size 64")
-    data_mod.build_datasets(args)
+    from_args.build_datasets(args)
     assert asked == [(40, 3 * 3 * 8, 3 * 8)]
 
 

@@ -422,10 +422,10 @@ def test_recompute_flags_give_identical_losses_and_grads(name):
 
 # -- data flags: one validation function ------------------------------------------------------
 def test_data_flags_are_validated_through_data_args_problems(monkeypatch):
-    from megatron_fsdp.training import data as data_mod
+    from megatron_fsdp.training.data import from_args
 
     seen = []
-    monkeypatch.setattr(data_mod, "data_args_problems", lambda args: seen.append(args) or ["from data_args_problems"])
+    monkeypatch.setattr(from_args, "data_args_problems", lambda args: seen.append(args) or ["from data_args_problems"])
     with pytest.raises(ArgumentError, match="from data_args_problems"):
         _parse([])
     assert len(seen) == 1

@@ -140,7 +140,7 @@ def test_without_sentencepiece_the_launcher_refuses(model, monkeypatch):
                               "--train-iters", "2", "--lr", "1e-3", "--tokenizer-type", "GPTSentencePieceTokenizer",
                               "--tokenizer-model", model])
     with pytest.raises(ImportError, match="pip install sentencepiece"):
-        tk._sentencepiece_module().GPTSentencePieceTokenizer(model)
+        tk.sentencepiece_tokenizers.GPTSentencePieceTokenizer(model)
 
 
 def _env() -> dict:

@@ -1,4 +1,24 @@
-"""Pieces of ``scripts/pretrain_gpt.py`` (the Megatron-LM style launcher), one
-module per concern: flags and their validation, data, learning-rate schedule, loss
-scaling, model and optimizer setup, the training step, checkpoints, logging and
-the loss-curve plot."""
+"""The launcher behind ``scripts/pretrain_gpt.py`` (Megatron-LM's ``pretrain_gpt.py``, its
+flags, data and checkpoints). It sits above the engine and uses only its public surface
+(the package root's modules, ``megatron_fsdp.state``, ``megatron_fsdp.comm.device`` and
+``megatron_fsdp.models``); ``import megatron_fsdp`` never loads it.
+
+Folders, one concern each:
+
+- ``args/``: the flags: Megatron-LM's parser rebuilt from the flag table, configs, validation.
+- ``data/``: datasets (indexed, mock, blended, FIM, the byte corpus), tokenizers, batching.
+- ``optim/``: the learning-rate schedule, fp16 loss scaling, Muon.
+- ``checkpoint/``: Megatron-LM's checkpoint layout over DCP, and the legacy torch format.
+- ``observe/``: the iteration line, timers, dashboards, the replica check, the loss plot.
+
+The training loop's own modules:
+
+- ``model_setup.py``: build the model and wrap it (Megatron-FSDP, PyTorch DDP or FSDP2),
+  build its optimizer.
+- ``torch_fsdp2.py``: ``--use-torch-fsdp2``: PyTorch FSDP2 wrapping as Megatron-LM applies it.
+- ``training_step.py``: one iteration (micro batches, sync, clipping, checks, step) and evaluation.
+- ``microbatches.py``: the global batch of each iteration (ramp-up, step schedule).
+- ``exit_conditions.py``: Megatron-LM's early exits, each after a checkpoint.
+- ``determinism.py``: ``--deterministic-mode``'s settings.
+- ``local_group.py``: the gloo group of one host's CPU processes (the benchmark and the tests).
+"""

@@ -511,7 +511,7 @@ def _data(args, world_size) -> list[str]:
             and args.vocab_size != BYTE_VOCAB_SIZE and not args.mock_data:
         problems.append(f"--vocab-size={args.vocab_size} needs --tokenizer-type NullTokenizer (or --mock-data); "
                         f"the byte tokenizer has {BYTE_VOCAB_SIZE} tokens")
-    from ..data import data_args_problems
+    from ..data.from_args import data_args_problems
 
     return problems + data_args_problems(args)
 

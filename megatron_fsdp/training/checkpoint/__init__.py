@@ -1,1 +1,7 @@
-"""TODO map."""
+"""The launcher's checkpoints (``--save``, ``--load``, ``--ckpt-format``).
+
+- ``dcp_checkpoint.py``: Megatron-LM's layout (``iter_XXXXXXX/``, the tracker file) over the
+  engine's DCP checkpoints (``megatron_fsdp.state``), RNG state, asynchronous saves.
+- ``torch_checkpoint.py``: Megatron-LM's legacy ``--ckpt-format torch`` (one ``torch.save``
+  file, plus ``distrib_optim.pt`` for the distributed optimizer).
+"""

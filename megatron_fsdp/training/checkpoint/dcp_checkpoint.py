@@ -1,4 +1,4 @@
-"""Megatron-LM's checkpoint layout on top of ``megatron_fsdp.state.checkpoint``:
+"""Megatron-LM's checkpoint layout on top of the engine's DCP checkpoints (``megatron_fsdp.state``):
 ``<save>/iter_0000010/`` per saved iteration plus the tracker file
 ``latest_checkpointed_iteration.txt`` naming the newest complete one.
 
@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from megatron_fsdp.comm import device as device_mod
+from megatron_fsdp import state as engine_state
 
 logger = logging.getLogger(__name__)
 
@@ -72,17 +73,6 @@ def _write_tracker(root: str, iteration: int) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-
-
-def _checkpoint_api():
-    try:
-        from megatron_fsdp.state import checkpoint
-    except ImportError as exc:
-        raise RuntimeError(
-            f"--save/--load need megatron_fsdp.state.checkpoint (save_checkpoint/load_checkpoint), which this checkout "
-            f"does not provide ({exc}); update megatron_fsdp or run without --save/--load"
-        ) from exc
-    return checkpoint
 
 
 def rng_state(device: torch.device = torch.device("cpu")) -> dict[str, Any]:
@@ -139,7 +129,7 @@ def save(root: str, iteration: int, model, optimizer, extra_state: dict,
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
         os.makedirs(root, exist_ok=True)
-    _checkpoint_api().save_checkpoint(directory, model, optimizer, extra_state=extra_state)
+    engine_state.save_checkpoint(directory, model, optimizer, extra_state=extra_state)
     if dist.is_initialized():
         dist.barrier()  # every rank finished writing before the tracker names this iteration
     if rank == 0:
@@ -166,8 +156,6 @@ class AsyncSaver:
     def save(self, root: str, iteration: int, model, optimizer, extra_state: dict) -> None:
         self.finalize()
         # The same layout and per-rank extra-state files as the synchronous save.
-        from megatron_fsdp.state.checkpoint import EXTRA_STATE_FILE, checkpoint_state
-        from megatron_fsdp.state.model_state_dict import clone_for_load
         from torch.utils._pytree import tree_map
 
         rank = dist.get_rank()
@@ -178,10 +166,10 @@ class AsyncSaver:
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
         dist.barrier()
-        torch.save(extra_state, os.path.join(tmp, EXTRA_STATE_FILE.format(rank=rank)))
+        torch.save(extra_state, os.path.join(tmp, engine_state.EXTRA_STATE_FILE.format(rank=rank)))
         # A private host copy first (state_dict.clone_for_load): training goes on
         # while DCP writes, and must not change what is being written.
-        staged = tree_map(clone_for_load, checkpoint_state(checkpoint_module(model), optimizer))
+        staged = tree_map(engine_state.clone_for_load, engine_state.checkpoint_state(checkpoint_module(model), optimizer))
         future = dcp.async_save(staged, checkpoint_id=tmp, process_group=self._group)
         self._pending = (future, root, tmp, iteration)
         logger.info("  started an asynchronous save of iteration %7d to %s", iteration, root)
@@ -219,6 +207,6 @@ def load(root: str, model, optimizer, step: Optional[int] = None) -> Optional[di
             f"{source} names iteration {iteration} but {directory} does not exist; point --load at a complete "
             "checkpoint directory (or --ckpt-step at a saved iteration)"
         )
-    extra = _checkpoint_api().load_checkpoint(directory, checkpoint_module(model), optimizer)
+    extra = engine_state.load_checkpoint(directory, checkpoint_module(model), optimizer)
     logger.info("  successfully loaded checkpoint from %s [ iteration %d ]", root, iteration)
     return extra

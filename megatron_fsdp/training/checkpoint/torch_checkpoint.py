@@ -38,7 +38,7 @@ optimizer's bucket layout, are not reproduced, and its optimizer state is not re
 FSDP's ``no_shard``/``optim`` strategies, whose main weights and optimizer state are
 DTensor pieces. The writer (global rank 0) collects them whole into its host memory
 shard by shard, one parameter group and state key at a time
-(``megatron_fsdp.state.gather.gather_items_to``, over a gloo group as Megatron-LM's
+(``gather_items_to`` in ``megatron_fsdp/state/gather.py``, over a gloo group as Megatron-LM's
 distributed-optimizer save does): no rank holds a group unsharded on the device and
 only rank 0's host holds the checkpoint; under ``no_shard`` every rank has it all and
 rank 0 copies its own. Loading: every rank reads the model file (as in Megatron-LM)
@@ -75,8 +75,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from megatron_fsdp.state.checkpoint import CheckpointReadError, CheckpointWriteError, file_sha256
-from megatron_fsdp.state.model_state_dict import StateDictMismatchError
+from megatron_fsdp.state import CheckpointReadError, CheckpointWriteError, StateDictMismatchError, file_sha256
 
 from .dcp_checkpoint import checkpoint_dir, checkpoint_module, publish_checkpoint, read_tracker
 
@@ -234,9 +233,7 @@ def _gather_engine(engine, optimizer) -> Optional[dict]:
     """On rank 0: the model entry, the full fp32 main weights (by ``named_parameters``
     name) and torch.optim's state dict with whole tensors; None elsewhere. Collective
     ([Note: torch format on the sharded engine])."""
-    from megatron_fsdp.state.full_state_dict import gather_main_weights_to, module_state_dict_from
-    from megatron_fsdp.state.optimizer_state_dict import gather_optimizer_state_to
-    from megatron_fsdp.state.model_state_dict import torch_key
+    from megatron_fsdp.state import gather_main_weights_to, gather_optimizer_state_to, module_state_dict_from, torch_key
 
     sharded = any(g.strategy.shards_optimizer and g.optimizer_layout.world_size > 1
                   for g in engine.param_and_grad_buffer.groups)
@@ -475,7 +472,7 @@ def _live_model(model, engine) -> dict:
     gathering anything (the engine's distributed parameters carry whole shapes)."""
     if engine is None:
         return checkpoint_module(model).state_dict()
-    from megatron_fsdp.state.model_state_dict import sharded_state_dict
+    from megatron_fsdp.state import sharded_state_dict
 
     return sharded_state_dict(engine, keep_vars=True, module_prefix=False, extra_state=True)
 

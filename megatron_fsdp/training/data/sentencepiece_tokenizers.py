@@ -38,6 +38,9 @@ import os
 from collections import OrderedDict
 from typing import Sequence
 
+CACHE_KEY_MODULE = "megatron_fsdp.training.sentencepiece_tokenizers"
+"""This module's path in dataset cache keys: [Note: pinned dataset cache keys] in tokenizers.py."""
+
 SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
 INSTALL_HINT = "`pip install sentencepiece` (a small wheel with no torch dependency; scripts/setup_env.sh installs it)"
 
@@ -90,9 +93,10 @@ class _SentencePieceBase:
 
     @property
     def unique_identifiers(self) -> OrderedDict:
-        # tokenizers._TokenizerBase's, not inherited: this file is also loaded alone (by
-        # preprocess_data.py's workers) and must not import the torch-importing package.
-        ident = OrderedDict(cls=f"{type(self).__module__}.{type(self).__qualname__}")
+        # As tokenizers._TokenizerBase's, not inherited (tokenizers.py imports this module),
+        # with the module path pinned: [Note: pinned dataset cache keys] in tokenizers.py.
+        module = CACHE_KEY_MODULE if type(self).__module__ == __name__ else type(self).__module__
+        ident = OrderedDict(cls=f"{module}.{type(self).__qualname__}")
         ident.update(self._identity)
         return ident
 

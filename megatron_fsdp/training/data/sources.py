@@ -9,7 +9,7 @@ validation before any process group) and ``build_datasets`` (here).
 
 from __future__ import annotations
 
-from .. import data as data_mod
+from . import from_args as data_mod
 from ..args.arg_types import TokenizerType
 from ..args.validation import padded_vocab_size
 

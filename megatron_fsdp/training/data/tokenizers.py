@@ -38,7 +38,9 @@ import os
 import sys
 import unicodedata
 from collections import OrderedDict
-from typing import Iterable, Protocol, Sequence
+from typing import Protocol, Sequence
+
+from . import sentencepiece_tokenizers
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +95,21 @@ class Tokenizer(Protocol):
     def detokenize(self, ids: Sequence[int]) -> str: ...
 
 
+CACHE_KEY_MODULE = "megatron_fsdp.training.tokenizers"
+"""[Note: pinned dataset cache keys] The module path our tokenizers are named by in
+``unique_identifiers``. megatron-core's datasets hash those identifiers into the names of
+their ``--data-cache-path`` files, so the path is part of every cached index's key: it
+stays the one these classes had before they moved to ``training/data/``, and a cache built
+then is still found (the test pins the description)."""
+
+
+def cache_key_class(cls: type, module_name: str, pinned: str) -> str:
+    """``cls``'s name in dataset cache keys: under ``pinned`` for the classes of
+    ``module_name`` itself, under their real module for others (a user's subclass)."""
+    module = pinned if cls.__module__ == module_name else cls.__module__
+    return f"{module}.{cls.__qualname__}"
+
+
 class _TokenizerBase:
     """Shared ``unique_identifiers``; subclasses fill ``_identity`` with what defines them."""
 
@@ -100,7 +117,7 @@ class _TokenizerBase:
 
     @property
     def unique_identifiers(self) -> OrderedDict:
-        ident = OrderedDict(cls=f"{type(self).__module__}.{type(self).__qualname__}")
+        ident = OrderedDict(cls=cache_key_class(type(self), __name__, CACHE_KEY_MODULE))
         ident.update(self._identity)
         return ident
 
@@ -412,26 +429,6 @@ def _load_tokenizer_json(path: str):
 
 
 # ---------------------------------------------------------------------------------
-# SentencePiece (megatron_fsdp/training/data/sentencepiece_tokenizers.py)
-
-
-def _sentencepiece_module():
-    """The sibling module, imported by file when this one was (scripts/preprocess_data.py loads
-    this file alone so that its workers never import the torch-importing package)."""
-    name = __name__.rpartition(".")[0] + ".sentencepiece_tokenizers"
-    if name in sys.modules:
-        return sys.modules[name]
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        name, os.path.join(os.path.dirname(os.path.abspath(__file__)), "sentencepiece_tokenizers.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-# ---------------------------------------------------------------------------------
 # Factory
 
 
@@ -465,7 +462,7 @@ def tokenizer_problems(tokenizer_type: str | None, *, vocab_file: str | None = N
             problems.append(f"--tokenizer-model {tokenizer_model!r}: no such directory (hub names are not "
                             "downloaded here; save the tokenizer to a local directory)")
     elif kind in _SENTENCEPIECE_KINDS:
-        problems += _sentencepiece_module().sentencepiece_problems(kind.value, tokenizer_model)
+        problems += sentencepiece_tokenizers.sentencepiece_problems(kind.value, tokenizer_model)
     elif kind is TokenizerType.NULL and vocab_size is None:
         problems.append("--tokenizer-type NullTokenizer needs --vocab-size")
     return problems
@@ -495,11 +492,11 @@ def build_tokenizer(tokenizer_type: str | TokenizerType, *, vocab_file: str | No
         case TokenizerType.HUGGINGFACE:
             return HuggingFaceTokenizer(tokenizer_model)
         case TokenizerType.GPT_SENTENCEPIECE:
-            return _sentencepiece_module().GPTSentencePieceTokenizer(tokenizer_model)
+            return sentencepiece_tokenizers.GPTSentencePieceTokenizer(tokenizer_model)
         case TokenizerType.LLAMA2:
-            return _sentencepiece_module().Llama2Tokenizer(tokenizer_model)
+            return sentencepiece_tokenizers.Llama2Tokenizer(tokenizer_model)
         case TokenizerType.SENTENCEPIECE:
-            return _sentencepiece_module().SentencePieceTokenizer(tokenizer_model,
+            return sentencepiece_tokenizers.SentencePieceTokenizer(tokenizer_model,
                                                                   vocab_extra_ids=vocab_extra_ids or 0)
     raise AssertionError(value)  # every TokenizerType is matched above
 
@@ -512,11 +509,3 @@ def vocab_size_with_padding(vocab_size: int, make_vocab_size_divisible_by: int =
         raise ValueError(f"--make-vocab-size-divisible-by must be >= 1, got {make_vocab_size_divisible_by}")
     return int(math.ceil(vocab_size / multiple) * multiple)
 
-
-def tokenize_documents(tokenizer: Tokenizer, texts: Iterable[str], append_eod: bool) -> Iterable[list[int]]:
-    """Ids of each text (eod appended to non-empty ones when asked), as preprocess_data does."""
-    for text in texts:
-        ids = tokenizer.tokenize(text)
-        if ids and append_eod:
-            ids.append(tokenizer.eod)
-        yield ids

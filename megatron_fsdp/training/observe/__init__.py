@@ -1,1 +1,9 @@
-"""TODO map."""
+"""What the launcher reports about a run.
+
+- ``logging_utils.py``: Megatron-LM's iteration line, per-rank memory, the validation box,
+  the FLOP estimate, the JSON metrics log.
+- ``timers.py``: Megatron-LM's named timers for ``--timing-log-level``.
+- ``tensorboard.py``: TensorBoard events and Weights & Biases, with Megatron-LM's scalar names.
+- ``replica_check.py``: ``--check-weight-hash-across-dp-replicas-interval``: replicas bit-identical.
+- ``plot.py``: the loss-curve PNG at the end of a run.
+"""

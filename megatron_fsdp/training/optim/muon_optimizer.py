@@ -53,7 +53,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.optim.adam import adam
 
-from ...buffers.piece_dtensor import FLAT_START_ATTR, is_flat_piece
+from ...optimizer import FLAT_START_ATTR, is_flat_piece
 from .muon import FusedRows, MuonConfig
 
 logger = logging.getLogger(__name__)
