@@ -10,7 +10,8 @@ upstream's package and once with ours, must give the same numbers.
 each side a group of N gloo ranks on its slice of every batch, and the user patterns
 upstream documents (gradient accumulation, ``fully_shard_model`` +
 ``fully_shard_optimizer``, HSDP); its docstring says what is run. What follows is
-the world-1 run (the default).
+the world-1 run (the default). What both share (the user script, each side's package,
+the comparison, the command line) is in scripts/upstream_ab_lib/.
 
 Both packages are called ``megatron_fsdp``, so each side is its own subprocess
 ("worker") with its own ``sys.path``: upstream's side puts the unpacked wheel first,
@@ -77,333 +78,25 @@ put last on its ``sys.path`` for machines without it.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
-import traceback
-import zipfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-SIDES = ("upstream", "ours")
-STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
-PRECISIONS = ("fp32", "bf16", "bf16_fp32_grads")
-STEPS, SAVE_AT = 5, 3
-FP32_TOL = 1e-6
-BF16_REL = 2.0 ** -7  # bf16 keeps 8 significant bits: one rounding step is <= 2^-7 |w|
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import upstream_ab_patterns  # noqa: E402  (this folder is not a package)
+from upstream_ab_lib.cli import build_parser, check_args, report  # noqa: E402
+from upstream_ab_lib.comparison import compare  # noqa: E402
+from upstream_ab_lib.packages import REPO, SIDES, cpu_shim, import_side, unpack_wheel  # noqa: E402
+from upstream_ab_lib.user_script import (  # noqa: E402
+    PRECISIONS, STRATEGIES, UserScript, bare_run, guarded, master_run, resume_case, train_case)
+
 WAIT_FOR_PEER_S = 240.0  # within the device tool's 10-minute command limit
 
 
-# -- the user script (runs inside a worker, with one side's megatron_fsdp) -------------------
-def _model_classes():
-    """Net and Block, built on first use so the driver never imports torch for them."""
-    import torch
-    from torch import nn
-
-    class Block(nn.Module):
-        """Residual MLP block (tests/models.py's shape: 2d+1 divides by nothing)."""
-
-        def __init__(self, d: int) -> None:
-            super().__init__()
-            self.norm = nn.LayerNorm(d)
-            self.fc1 = nn.Linear(d, 2 * d + 1)
-            self.fc2 = nn.Linear(2 * d + 1, d)
-
-        def forward(self, x):
-            return x + self.fc2(torch.tanh(self.fc1(self.norm(x))))
-
-    class Net(nn.Module):
-        def __init__(self, d: int = 32, depth: int = 3) -> None:
-            super().__init__()
-            self.inp = nn.Linear(5, d)
-            self.blocks = nn.ModuleList(Block(d) for _ in range(depth))
-            self.norm = nn.LayerNorm(d)
-            self.out = nn.Linear(d, 3)
-
-        def forward(self, x):
-            h = self.inp(x)
-            for block in self.blocks:
-                h = block(h)
-            return self.out(self.norm(h))
-
-    return Net, Block
-
-
-class UserScript:
-    """The training a user writes, against whichever ``megatron_fsdp`` was imported."""
-
-    def __init__(self, mf, device) -> None:
-        import torch
-
-        self.mf, self.torch, self.device = mf, torch, device
-        self.Net, self.Block = _model_classes()
-        g = torch.Generator().manual_seed(1234)
-        self.data = [(torch.randn(16, 5, generator=g), torch.randn(16, 3, generator=g)) for _ in range(STEPS)]
-
-    def policy_kwargs(self, precision: str) -> dict:
-        torch = self.torch
-        if precision == "fp32":
-            return {}
-        grads = {"main_grads_dtype": torch.float32} if precision == "bf16_fp32_grads" else {}
-        return {"mixed_precision_policy": self.mf.MixedPrecisionPolicy(main_params_dtype=torch.float32, **grads)}
-
-    def build(self, precision: str, seed: int = 0):
-        torch = self.torch
-        torch.manual_seed(seed)
-        module = self.Net().to(self.device)
-        return module.to(torch.bfloat16) if precision != "fp32" else module
-
-    def optimizer(self, params):
-        return self.torch.optim.AdamW(params, lr=1e-2, eps=1e-4, weight_decay=0.1)
-
-    def wrap(self, strategy: str, precision: str, seed: int = 0):
-        module = self.build(precision, seed)
-        kwargs = dict(fsdp_unit_modules=[self.Block], zero_dp_strategy=STRATEGIES.index(strategy))
-        kwargs.update(self.policy_kwargs(precision))
-        if self.device.type == "cpu":  # upstream's default mesh is a "cuda" mesh
-            from torch.distributed.device_mesh import init_device_mesh
-
-            mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("fsdp", "tp"))
-            kwargs.update(device=self.device, device_mesh=mesh, dp_shard_dim="fsdp", tp_dim="tp")
-        return self.mf.fully_shard(module, self.optimizer(module.parameters()), **kwargs)
-
-    def train(self, model, optimizer, steps: range, dtype) -> list[float]:
-        torch = self.torch
-        losses = []
-        for i in steps:
-            x, y = (t.to(self.device) for t in self.data[i])
-            optimizer.zero_grad()
-            loss = torch.nn.functional.mse_loss(model(x.to(dtype)).float(), y)
-            loss.backward()
-            optimizer.step()
-            losses.append(loss.item())
-        return losses
-
-    def checkpoint_dict(self, model, optimizer) -> dict:
-        return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
-
-    def save(self, model, optimizer, path: Path) -> None:
-        import torch.distributed.checkpoint as dcp
-
-        dcp.save(self.checkpoint_dict(model, optimizer), checkpoint_id=str(path))
-
-    def load(self, model, optimizer, path: Path) -> None:
-        import torch.distributed.checkpoint as dcp
-
-        ckpt = self.checkpoint_dict(model, optimizer)
-        dcp.load(state_dict=ckpt, checkpoint_id=str(path))
-        model.load_state_dict(ckpt["model"], strict=False)
-        optimizer.load_state_dict(ckpt["optimizer"])
-
-
-# -- what a worker records -----------------------------------------------------------------
-def _full(value):
-    """A state-dict value as a full CPU tensor (world size 1: the local shard is whole)."""
-    import torch
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(value, DTensor):
-        try:
-            value = value.full_tensor()
-        except Exception:  # an uneven-DTensor wrapper that cannot redistribute: read the shard
-            local = value.to_local()
-            value = local.reshape(value.shape) if local.numel() == value.numel() else local
-    return value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
-
-
-def _meta(value) -> dict:
-    import torch
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(value, DTensor):
-        return dict(type="DTensor", shape=list(value.shape), dtype=str(value.dtype),
-                    placements=[str(p) for p in value.placements], mesh=list(value.device_mesh.shape))
-    if isinstance(value, torch.Tensor):
-        return dict(type=type(value).__name__, shape=list(value.shape), dtype=str(value.dtype))
-    return dict(type=type(value).__name__, value=repr(value)[:80])
-
-
-def _flatten(state: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in state.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            out.update(_flatten(value, name + "."))
-        elif isinstance(value, list) and name.endswith("param_groups"):
-            for i, group in enumerate(value):
-                out.update(_flatten({k: v for k, v in group.items() if k != "params"}, f"{name}.{i}."))
-        else:
-            out[name] = value
-    return out
-
-
-def snapshot(model, optimizer) -> dict:
-    model_sd = model.state_dict()
-    optim_sd = _flatten(optimizer.state_dict())
-    return dict(model={k: _full(v) for k, v in model_sd.items()}, model_meta={k: _meta(v) for k, v in model_sd.items()},
-                optim={k: _full(v) for k, v in optim_sd.items()}, optim_meta={k: _meta(v) for k, v in optim_sd.items()})
-
-
-def _guarded(fn) -> dict:
-    """Run one case; a failure is recorded (with its traceback) and the others go on."""
-    start = time.perf_counter()
-    try:
-        result = fn()
-    except Exception as exc:
-        result = dict(error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-3000:])
-    result["seconds"] = round(time.perf_counter() - start, 2)
-    return result
-
-
-def bare_run(script: UserScript) -> dict:
-    """The fp32 user script without ``fully_shard``: plain AdamW on the module."""
-    torch = script.torch
-    module = script.build("fp32")
-    losses = script.train(module, script.optimizer(module.parameters()), range(STEPS), torch.float32)
-    return dict(losses=losses, model={k: v.detach().cpu().clone() for k, v in module.state_dict().items()})
-
-
-def master_run(script: UserScript, precision: str, primed: bool) -> dict:
-    """Plain AdamW over a separate fp32 copy of the weights (the main weights): per step,
-    the module's gradients (in its own dtype) onto the copy, ``step()``, copy back (rounded
-    to the module's dtype). With ``primed``, one ``step()`` on zero gradients first (step
-    count 1, one weight decay of the copy, which the first forward does not see): observed
-    to reproduce upstream 0.6.1 exactly on CPU (its ``fully_shard_optimizer`` steps once to
-    create the optimizer state); without it, what ours is meant to equal."""
-    torch = script.torch
-    dtype = torch.float32 if precision == "fp32" else torch.bfloat16
-    module = script.build(precision)
-    main = [p.detach().float().clone().requires_grad_(True) for p in module.parameters()]
-    optimizer = script.optimizer(main)
-    if primed:
-        for p in main:
-            p.grad = torch.zeros_like(p)
-        optimizer.step()
-        optimizer.zero_grad()
-    losses = []
-    for x, y in script.data:
-        module.zero_grad()
-        loss = torch.nn.functional.mse_loss(module(x.to(script.device).to(dtype)).float(), y.to(script.device))
-        loss.backward()
-        losses.append(loss.item())
-        for m, p in zip(main, module.parameters()):
-            m.grad = p.grad.float()
-        optimizer.step()
-        optimizer.zero_grad()
-        with torch.no_grad():
-            for m, p in zip(main, module.parameters()):
-                p.copy_(m)
-    return dict(losses=losses, model={k: v.detach().cpu().clone() for k, v in module.state_dict().items()})
-
-
-def train_case(script: UserScript, strategy: str, precision: str, ckpt: Path | None) -> dict:
-    torch = script.torch
-    dtype = torch.float32 if precision == "fp32" else torch.bfloat16
-    model, optimizer = script.wrap(strategy, precision)
-    losses = script.train(model, optimizer, range(SAVE_AT), dtype)
-    if ckpt is not None:
-        script.save(model, optimizer, ckpt)
-    losses += script.train(model, optimizer, range(SAVE_AT, STEPS), dtype)
-    return dict(losses=losses, **snapshot(model, optimizer))
-
-
-def resume_case(script: UserScript, strategy: str, ckpt: Path) -> dict:
-    model, optimizer = script.wrap(strategy, "fp32", seed=7)  # other weights: the load must replace them all
-    script.load(model, optimizer, ckpt)
-    losses = script.train(model, optimizer, range(SAVE_AT, STEPS), script.torch.float32)
-    return dict(losses=losses, **snapshot(model, optimizer))
-
-
 # -- worker ---------------------------------------------------------------------------------
-class _NoStream:
-    """Stands in for a CUDA stream or event on a CPU-only torch: work is already in order."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        pass
-
-    def __getattr__(self, name):  # wait_stream, record_event, wait, synchronize, ...
-        return lambda *args, **kwargs: _NoStream()
-
-    def query(self) -> bool:
-        return True
-
-
-def cpu_shim() -> list[str]:
-    """Let upstream run on a CPU-only torch: the ``torch.cuda`` calls it makes at wrap
-    time and per step become no-ops or report device 0. Upstream's own code is not
-    touched; these are the names patched, recorded in the JSON."""
-    import contextlib
-
-    import torch
-
-    patches = dict(current_device=lambda: 0, Stream=_NoStream, Event=_NoStream,
-                   current_stream=lambda *a, **k: _NoStream(), stream=lambda *a, **k: contextlib.nullcontext(),
-                   synchronize=lambda *a, **k: None, empty_cache=lambda: None)
-    for name, value in patches.items():
-        setattr(torch.cuda, name, value)
-    torch.Tensor.cuda = lambda self, *a, **k: self  # a boundary check moves a small tensor to "cuda"
-    return sorted(f"torch.cuda.{name}" for name in patches) + ["torch.Tensor.cuda"] + _premul_sum_on_gloo()
-
-
-class _PremulSum:
-    """What ``_make_nccl_premul_sum(factor)`` returns under the shim: the factor, to
-    be applied before a SUM (gloo has no PREMUL_SUM)."""
-
-    def __init__(self, factor) -> None:
-        self.factor = factor
-
-
-def _premul_sum_on_gloo() -> list[str]:
-    """NCCL's pre-multiplied sum as SUM of scaled data, leaving what NCCL leaves: an
-    all-reduce's tensor is its output too (scaled in place); a reduce-scatter's input
-    is not, so a scaled copy is sent. Upstream's 'optim' strategy reduce-scatters a
-    whole gradient buffer into its own shard and keeps the rest of the buffer, and
-    scaling that rest in place would change what a later microbatch adds to."""
-    import torch.distributed as dist
-
-    def unfused(collective, tensor_arg: str, position: int, in_place: bool):
-        def call(*args, **kwargs):
-            op = kwargs.get("op")
-            if isinstance(op, _PremulSum):
-                tensor = kwargs[tensor_arg] if tensor_arg in kwargs else args[position]
-                if in_place:
-                    tensor.mul_(op.factor)
-                elif tensor_arg in kwargs:
-                    kwargs[tensor_arg] = tensor * op.factor
-                else:
-                    args = (*args[:position], tensor * op.factor, *args[position + 1:])
-                kwargs["op"] = dist.ReduceOp.SUM
-            return collective(*args, **kwargs)
-
-        return call
-
-    dist._make_nccl_premul_sum = _PremulSum
-    dist.all_reduce = unfused(dist.all_reduce, "tensor", 0, in_place=True)
-    dist.reduce_scatter_tensor = unfused(dist.reduce_scatter_tensor, "input", 1, in_place=False)
-    return ["torch.distributed._make_nccl_premul_sum", "torch.distributed.all_reduce",
-            "torch.distributed.reduce_scatter_tensor"]
-
-
-def import_side(side: str, pkg_root: Path, fallback: str | None = None):
-    """Import ``megatron_fsdp`` from ``pkg_root`` only, with ``megatron`` blocked;
-    ``fallback`` (last on ``sys.path``) supplies upstream's pure-Python dependency
-    ``packaging`` where the machine lacks it."""
-    sys.modules["megatron"] = None  # see the module docstring
-    sys.path.insert(0, str(pkg_root))
-    if fallback:
-        sys.path.append(fallback)
-    import megatron_fsdp
-
-    where = Path(megatron_fsdp.__file__).resolve()
-    if pkg_root.resolve() not in where.parents:
-        raise RuntimeError(f"{side}: megatron_fsdp came from {where}, not from {pkg_root}")
-    return megatron_fsdp
-
-
 def worker_main(args) -> None:
     side, out = args.worker, Path(args.out)
     here, peer_dir = out / side, out / ("ours" if args.worker == "upstream" else "upstream")
@@ -437,24 +130,24 @@ def worker_main(args) -> None:
     strategies = args.strategies.split(",")
     record = dict(side=side, package=str(Path(mf.__file__).parent), version=getattr(mf, "__version__", None),
                   torch=torch.__version__, runs={}, resume={}, timings=timings, cpu_shim=shimmed)
-    record["bare"] = _guarded(lambda: bare_run(script))
+    record["bare"] = guarded(lambda: bare_run(script))
     for precision in args.precisions.split(","):  # the reference loops of each precision
         for name, primed in (("master", False), ("primed", True)):
-            record[f"{name}/{precision}"] = _guarded(lambda: master_run(script, precision, primed))
+            record[f"{name}/{precision}"] = guarded(lambda: master_run(script, precision, primed))
     for precision in args.precisions.split(","):
         for strategy in strategies:
             ckpt = here / f"ckpt_{strategy}" if precision == "fp32" and args.checkpoint else None
-            record["runs"][f"{precision}/{strategy}"] = _guarded(lambda: train_case(script, strategy, precision, ckpt))
+            record["runs"][f"{precision}/{strategy}"] = guarded(lambda: train_case(script, strategy, precision, ckpt))
     (here / "train.done").touch()
     lap("train")
     if args.checkpoint:
         peer_ready = wait_for_peer(peer_dir)
         lap("wait_for_peer")
         for strategy in strategies:
-            record["resume"][f"{side}<-{side}/{strategy}"] = _guarded(
+            record["resume"][f"{side}<-{side}/{strategy}"] = guarded(
                 lambda: resume_case(script, strategy, here / f"ckpt_{strategy}"))
             key = f"{side}<-{peer_dir.name}/{strategy}"
-            record["resume"][key] = (_guarded(lambda: resume_case(script, strategy, peer_dir / f"ckpt_{strategy}"))
+            record["resume"][key] = (guarded(lambda: resume_case(script, strategy, peer_dir / f"ckpt_{strategy}"))
                                      if peer_ready is True else dict(error=peer_ready))
     lap("resume")
     torch.save(record, here / "result.pt")
@@ -474,15 +167,6 @@ def wait_for_peer(peer_dir: Path):
 
 
 # -- driver ---------------------------------------------------------------------------------
-def unpack_wheel(wheel: Path, dest: Path) -> Path:
-    """The pure-Python wheel unpacked under ``dest``; the directory holding ``megatron_fsdp``."""
-    root = dest / "upstream_pkg"
-    shutil.rmtree(root, ignore_errors=True)  # never a copy from another wheel
-    with zipfile.ZipFile(wheel) as zf:
-        zf.extractall(root)
-    return root
-
-
 def run_workers(roots: dict, out: Path, device: str, opts: list[str], timeout: float, cpu_shim: tuple = (),
                 fallbacks: dict | None = None) -> dict:
     """Start both sides at once, wait for both; {side: (returncode, log tail)}."""
@@ -514,143 +198,6 @@ def run_workers(roots: dict, out: Path, device: str, opts: list[str], timeout: f
                 status[side] = (rc, (out / side / "log.txt").read_text()[-3000:])
         time.sleep(0.05)
     return status
-
-
-def max_abs_diff(a: dict, b: dict, strip: bool = True):
-    """Largest elementwise difference over the tensors both dicts hold, and the keys
-    only one holds (``module.`` prefixes aside when ``strip``)."""
-    import torch
-
-    def norm(d):
-        return {(k[len("module."):] if strip and k.startswith("module.") else k): v for k, v in d.items()}
-
-    a, b = norm(a), norm(b)
-    worst = 0.0
-    for key in a.keys() & b.keys():
-        x, y = a[key], b[key]
-        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
-            if x.shape != y.shape:
-                return None, [f"{key}: shape {list(x.shape)} vs {list(y.shape)}"]
-            if x.numel():
-                worst = max(worst, _not_nan((x.double() - y.double()).abs().max().item()))
-        else:  # scalars: a step count may be a tensor on one side and a number on the other
-            x, y = _scalar(x), _scalar(y)
-            if x != y:
-                worst = max(worst, _not_nan(abs(x - y)) if _numeric(x, y) else float("inf"))
-    return worst, sorted(a.keys() ^ b.keys())
-
-
-def _not_nan(diff: float) -> float:
-    """A NaN difference as infinity: ``max`` would drop a NaN and pass the row."""
-    return float("inf") if diff != diff else diff
-
-
-def _scalar(value):
-    import torch
-
-    return value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
-
-
-def _numeric(*values) -> bool:
-    return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
-
-
-def _ok(diff, only_one, tol: float) -> bool:
-    return diff is not None and not only_one and diff <= tol
-
-
-def _explained_by_priming(row: dict, tol: float) -> bool:
-    """Whether ours equals the fp32-main-weights AdamW loop and upstream the primed one, in
-    the final weights and in every step's loss."""
-    diffs = [row.get("vs_master_adamw", {}).get("ours"), row.get("vs_primed_adamw", {}).get("upstream"),
-             row.get("vs_master_losses", {}).get("ours"), row.get("vs_primed_losses", {}).get("upstream")]
-    return all(d is not None and d <= tol for d in diffs)
-
-
-def compare(results: dict) -> dict:
-    """The four sections of the A/B record from both sides' results."""
-    up, ours = results["upstream"], results["ours"]
-    sections = {"fp32": [], "bf16": [], "state_dict": [], "checkpoint": []}
-    for case in sorted(up["runs"].keys() | ours["runs"].keys()):
-        precision, strategy = case.split("/")
-        u, o = up["runs"].get(case, {}), ours["runs"].get(case, {})
-        row = dict(case=case, precision=precision, strategy=strategy)
-        errors = {s: r.get("error", "not run") for s, r in (("upstream", u), ("ours", o)) if "model" not in r}
-        if errors:
-            row.update(passed=False, errors=errors)
-            sections["fp32" if precision == "fp32" else "bf16"].append(row)
-            sections["state_dict"].append(dict(row))
-            continue
-        if precision == "fp32":
-            tol = FP32_TOL
-        else:
-            tol = BF16_REL * max(v.abs().max().item() for v in u["model"].values() if v.is_floating_point() and v.numel())
-        w_diff, w_only = max_abs_diff(u["model"], o["model"])
-        s_diff, s_only = max_abs_diff(u["optim"], o["optim"], strip=False)
-        l_diff = max(_not_nan(abs(a - b)) for a, b in zip(u["losses"], o["losses"]))
-        row.update(max_abs_diff_weights=w_diff, max_abs_diff_optim_state=s_diff, max_abs_diff_losses=l_diff,
-                   tolerance=tol, keys_on_one_side=(w_only + s_only)[:20])
-        # For triage: which reference loop each side matches (computed on ours' side).
-        refs = {"bare": ours.get("bare", {}) if precision == "fp32" else {},
-                "master": ours.get(f"master/{precision}", {}), "primed": ours.get(f"primed/{precision}", {})}
-        for ref, result in refs.items():
-            if "model" in result:
-                row[f"vs_{ref}_adamw"] = {s: max_abs_diff(r["model"], result["model"])[0]
-                                          for s, r in (("upstream", u), ("ours", o))}
-                row[f"vs_{ref}_losses"] = {s: max(_not_nan(abs(a - b)) for a, b in zip(r["losses"], result["losses"]))
-                                           for s, r in (("upstream", u), ("ours", o))}
-        row["passed"] = _ok(w_diff, w_only, tol) and _ok(s_diff, s_only, tol) and l_diff <= tol
-        row["verdict"] = "equal" if row["passed"] else "differs"
-        if not row["passed"] and _explained_by_priming(row, tol):
-            # A known difference, kept on purpose: upstream's fully_shard_optimizer steps once
-            # on zero gradients (step count one ahead, one weight decay of the main weights);
-            # ours equals plain AdamW. The row passes only if each side matches its own
-            # reference loop exactly, so any other difference still fails it.
-            row.update(passed=True, verdict="upstream's priming step (a known difference): ours matches the AdamW "
-                                           "reference loop, upstream the primed one, each within the row's tolerance")
-        sections["fp32" if precision == "fp32" else "bf16"].append(row)
-        sections["state_dict"].append(dict(case=case, **compare_meta(u, o)))
-    for key in sorted(up["resume"].keys() | ours["resume"].keys()):
-        loader, rest = key.split("<-")
-        saver, strategy = rest.split("/")
-        resumed = results[loader]["resume"][key]
-        row = dict(case=key, loader=loader, saver=saver, strategy=strategy)
-        if "model" not in resumed:
-            row.update(passed=False, error=resumed.get("error"), traceback=resumed.get("traceback"))
-        else:
-            # Pass: the loader goes on exactly as the saver's own run did. Against the
-            # loader's own run it also differs by whatever the fp32 rows show.
-            passed = False
-            for side in SIDES:
-                straight = results[side]["runs"].get(f"fp32/{strategy}", {})
-                if "model" not in straight:
-                    row[f"vs_{side}_uninterrupted"] = "the uninterrupted run failed"
-                    continue
-                diff, only = max_abs_diff(resumed["model"], straight["model"])
-                s_diff, s_only = max_abs_diff(resumed["optim"], straight["optim"], strip=False)
-                row[f"vs_{side}_uninterrupted"] = dict(weights=diff, optim_state=s_diff, keys_on_one_side=(only + s_only)[:20])
-                if side == saver:
-                    passed = _ok(diff, only, FP32_TOL) and _ok(s_diff, s_only, FP32_TOL)
-            row.update(tolerance=FP32_TOL, passed=passed, criterion="equal to the saver's uninterrupted run")
-        sections["checkpoint"].append(row)
-    return {name: dict(rows=rows, passed=bool(rows) and all(r["passed"] for r in rows)) if rows
-            else dict(rows=[], passed=None, skipped="not requested") for name, rows in sections.items()}
-
-
-def compare_meta(u: dict, o: dict) -> dict:
-    mismatches = []
-    for part in ("model_meta", "optim_meta"):
-        strip = part == "model_meta"
-        a = {k[len("module."):] if strip and k.startswith("module.") else k: v for k, v in u[part].items()}
-        b = {k[len("module."):] if strip and k.startswith("module.") else k: v for k, v in o[part].items()}
-        mismatches += [f"{part}: {k} only in {'upstream' if k in a else 'ours'}" for k in sorted(a.keys() ^ b.keys())]
-        mismatches += [f"{part}: {k}: upstream {a[k]} vs ours {b[k]}" for k in sorted(a.keys() & b.keys()) if a[k] != b[k]]
-    # Keys with their "module." prefix as each side spells them: a checkpoint's key names.
-    prefix_same = sorted(u["model_meta"]) == sorted(o["model_meta"])
-    if not prefix_same:
-        mismatches.insert(0, "model state_dict keys differ in their 'module.' prefix")
-    return dict(passed=not mismatches, mismatches=mismatches[:40], mismatch_count=len(mismatches),
-                model_keys=len(u["model_meta"]), optim_keys=len(u["optim_meta"]))
 
 
 def run_ab(upstream_wheel: Path | None, out: Path, device: str, *, self_check: bool = False,
@@ -695,46 +242,8 @@ def run_ab(upstream_wheel: Path | None, out: Path, device: str, *, self_check: b
     return record
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The command line, shared with ``upstream_ab_patterns.py`` (which ``--world > 1`` runs)."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--upstream-wheel", type=Path, help="upstream megatron_fsdp wheel (pure Python)")
-    parser.add_argument("--out", default="results/upstream_ab")
-    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    parser.add_argument("--self-check", action="store_true", help="ours on both sides: checks this script")
-    parser.add_argument("--strategies", default=",".join(STRATEGIES))
-    parser.add_argument("--precisions", default=",".join(PRECISIONS))
-    parser.add_argument("--no-checkpoint", dest="checkpoint", action="store_false", help="skip the DCP section")
-    parser.add_argument("--world", type=int, default=1, help="ranks per side (> 1: upstream_ab_patterns.py, cpu)")
-    parser.add_argument("--patterns", help="comma-separated user patterns (upstream_ab_patterns.PATTERNS)")
-    parser.add_argument("--resume-from", type=Path, help="--world > 1: also resume the checkpoints of this earlier "
-                        "run's --out (another world size: DCP reshards)")
-    parser.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
-    parser.add_argument("--pkg-root", help=argparse.SUPPRESS)
-    parser.add_argument("--cpu-shim", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--fallback-path", help=argparse.SUPPRESS)
-    return parser
-
-
-def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    if args.upstream_wheel is None and not args.self_check:
-        parser.error("--upstream-wheel PATH is required (or --self-check)")
-    if (args.world > 1 or args.patterns) and args.device != "cpu":
-        parser.error("--world > 1 / --patterns run on --device cpu only")  # one GPU cannot host N NCCL ranks
-
-
-def report(record: dict, out: Path) -> None:
-    """Print each section's verdict and exit 0 when every section passed."""
-    for name, section in record.get("sections", {}).items():
-        worst = [r.get("max_abs_diff_weights") for r in section["rows"] if r.get("max_abs_diff_weights") is not None]
-        print(f"[upstream_ab] {name}: passed={section['passed']} rows={len(section['rows'])}"
-              + (f" worst weight diff={max(worst):.3g}" if worst else ""))
-    print(f"[upstream_ab] passed={record['passed']} ({record['seconds']} s); wrote {out / 'upstream_ab.json'}")
-    sys.exit(0 if record["passed"] else 1)
-
-
 def main() -> None:
-    parser = build_parser()
+    parser = build_parser(__doc__.splitlines()[0])
     args = parser.parse_args()
     if args.worker:
         try:
@@ -745,12 +254,10 @@ def main() -> None:
             raise
     check_args(parser, args)
     if args.world > 1 or args.patterns:
-        # The multi-rank patterns are their own script, which builds on this one's
-        # library; it takes the same command line.
-        patterns = Path(__file__).resolve().with_name("upstream_ab_patterns.py")
-        sys.exit(subprocess.call([sys.executable, str(patterns), *sys.argv[1:]]))
-    record = run_ab(args.upstream_wheel, Path(args.out), args.device, self_check=args.self_check,
-                    strategies=args.strategies, precisions=args.precisions, checkpoint=args.checkpoint)
+        record = upstream_ab_patterns.run_from_args(args)
+    else:
+        record = run_ab(args.upstream_wheel, Path(args.out), args.device, self_check=args.self_check,
+                        strategies=args.strategies, precisions=args.precisions, checkpoint=args.checkpoint)
     report(record, Path(args.out))
 
 

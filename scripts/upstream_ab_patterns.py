@@ -65,15 +65,19 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import upstream_ab as ab  # noqa: E402  (this folder is not a package)
+from upstream_ab_lib.cli import build_parser, check_args, report  # noqa: E402  (this folder is not a package)
+from upstream_ab_lib.comparison import FP32_TOL, compare, max_abs_diff, not_nan, passes  # noqa: E402
+from upstream_ab_lib.packages import REPO, SIDES, cpu_shim, import_side, unpack_wheel  # noqa: E402
+from upstream_ab_lib.user_script import (  # noqa: E402
+    PRECISIONS, SAVE_AT, STEPS, STRATEGIES, UserScript, bare_run, flatten, guarded, master_run, meta_of)
 
 PATTERNS = ("plain", "accum", "accum_deferred", "separate", "hsdp")
-GLOBAL_ROWS = 16  # rows of each global batch (upstream_ab.UserScript.data)
+GLOBAL_ROWS = 16  # rows of each global batch (UserScript.data)
 MICROBATCHES = 2
 COLLECTIVE_TIMEOUT_S = 120  # a rank stuck in a collective fails the case instead of hanging the run
 
 
-class RankScript(ab.UserScript):
+class RankScript(UserScript):
     """The user script as one of N ranks: its slice of each batch, its own mesh."""
 
     def __init__(self, mf, device, rank: int, world: int) -> None:
@@ -93,7 +97,7 @@ class RankScript(ab.UserScript):
 
     def wrap_pattern(self, pattern: str, strategy: str, precision: str, outer: int = 0, seed: int = 0):
         module = self.build(precision, seed)
-        kwargs = dict(fsdp_unit_modules=[self.Block], zero_dp_strategy=ab.STRATEGIES.index(strategy),
+        kwargs = dict(fsdp_unit_modules=[self.Block], zero_dp_strategy=STRATEGIES.index(strategy),
                       device=self.device, **self.policy_kwargs(precision), **self.mesh_kwargs(pattern, outer))
         if pattern == "accum_deferred":
             kwargs["sync_model_each_microbatch"] = False
@@ -106,7 +110,7 @@ class RankScript(ab.UserScript):
         rows = GLOBAL_ROWS // self.world
         return tensor[self.rank * rows:(self.rank + 1) * rows].to(self.device)
 
-    def train_pattern(self, model, optimizer, pattern: str, dtype, steps: range = range(ab.STEPS)) -> list[float]:
+    def train_pattern(self, model, optimizer, pattern: str, dtype, steps: range = range(STEPS)) -> list[float]:
         """Per step the global-batch loss (the mean of the ranks' local losses)."""
         import contextlib
 
@@ -166,15 +170,15 @@ def gathered_snapshot(script: RankScript, model, optimizer, folder: Path) -> dic
     whole = torch.load(str(folder) + ".pt", weights_only=False)
     optim = _flatten_any(whole["optimizer"])
     return dict(model=dict(whole["model"]), optim=optim,
-                model_meta={k: ab._meta(v) for k, v in model_sd.items()},
-                optim_meta={k: ab._meta(v) for k, v in ab._flatten(optim_sd).items()},
+                model_meta={k: meta_of(v) for k, v in model_sd.items()},
+                optim_meta={k: meta_of(v) for k, v in flatten(optim_sd).items()},
                 # Rank 0's shard sizes, per parameter in state_dict order (= optimizer index order).
                 param_local_numel=[v.to_local().numel() if isinstance(v, DTensor) else v.numel()
                                    for v in model_sd.values()])
 
 
 def primed_summed_run(script, world: int) -> dict:
-    """upstream_ab's primed fp32 loop with each gradient multiplied by ``world``: the
+    """The primed fp32 loop (master_run) with each gradient multiplied by ``world``: the
     gradients summed over the ranks instead of averaged. Observed to reproduce upstream
     0.6.1's HFSDP (``outer_dp_sharding_strategy=1``); AdamW hides most of a gradient
     scale, all but the part its ``eps`` sees."""
@@ -203,7 +207,7 @@ def primed_summed_run(script, world: int) -> dict:
 
 def cases(patterns: list[str], strategies: list[str], precisions: list[str], world: int) -> list[tuple]:
     """(case name, pattern, strategy, precision, outer) for every run; a case name is
-    ``precision/strategy`` (plain) or ``precision/pattern:strategy`` (upstream_ab.compare's form)."""
+    ``precision/strategy`` (plain) or ``precision/pattern:strategy`` (compare's form)."""
     out = []
     for pattern in patterns:
         for strategy in strategies:
@@ -250,19 +254,19 @@ def resume_phase(script: RankScript, todo: list, sources: list, side: str, here:
                 model, optimizer = script.wrap_pattern(pattern, strategy, precision, outer, seed=7)
                 script.load(model, optimizer, folder)
                 losses = script.train_pattern(model, optimizer, pattern, script.torch.float32,
-                                              range(ab.SAVE_AT, ab.STEPS))
+                                              range(SAVE_AT, STEPS))
                 return dict(losses=losses, checkpoint=str(folder),
                             **gathered_snapshot(script, model, optimizer, here / f"resume{j}"))
 
-            record["resume"][f"{side}<-{saver}{tag}/{name}"] = ab._guarded(run)
+            record["resume"][f"{side}<-{saver}{tag}/{name}"] = guarded(run)
             dist.barrier()
 
 
 def rank_main(args) -> None:
     side, rank, world, out = args.side, args.rank, args.world, Path(args.out)
     here = out / side
-    shimmed = ab.cpu_shim() if args.cpu_shim else []
-    mf = ab.import_side(side, Path(args.pkg_root), args.fallback_path)
+    shimmed = cpu_shim() if args.cpu_shim else []
+    mf = import_side(side, Path(args.pkg_root), args.fallback_path)
     import datetime
 
     import torch
@@ -291,21 +295,21 @@ def rank_main(args) -> None:
             if ckpt is None:
                 losses = script.train_pattern(model, optimizer, pattern, dtype)
             else:  # the README's DCP recipe at step SAVE_AT, then on to the end, uninterrupted
-                losses = script.train_pattern(model, optimizer, pattern, dtype, range(ab.SAVE_AT))
+                losses = script.train_pattern(model, optimizer, pattern, dtype, range(SAVE_AT))
                 script.save(model, optimizer, ckpt)
-                losses += script.train_pattern(model, optimizer, pattern, dtype, range(ab.SAVE_AT, ab.STEPS))
+                losses += script.train_pattern(model, optimizer, pattern, dtype, range(SAVE_AT, STEPS))
             return dict(losses=losses, **gathered_snapshot(script, model, optimizer, here / f"case{i}"))
 
-        record["runs"][name] = ab._guarded(run)
+        record["runs"][name] = guarded(run)
         dist.barrier()  # line the ranks up after a case some failed (the rest left its collectives at the timeout)
     record["timings"]["train"] = round(time.perf_counter() - start, 2)
     if rank == 0 and side == "ours":  # the one-process references, on the global batch
-        plain = ab.UserScript(mf, torch.device("cpu"))
-        record["bare"] = ab._guarded(lambda: ab.bare_run(plain))
-        record["primed_summed"] = ab._guarded(lambda: primed_summed_run(plain, world))
+        plain = UserScript(mf, torch.device("cpu"))
+        record["bare"] = guarded(lambda: bare_run(plain))
+        record["primed_summed"] = guarded(lambda: primed_summed_run(plain, world))
         for precision in {c[3] for c in todo}:
             for ref, primed in (("master", False), ("primed", True)):
-                record[f"{ref}/{precision}"] = ab._guarded(lambda: ab.master_run(plain, precision, primed))
+                record[f"{ref}/{precision}"] = guarded(lambda: master_run(plain, precision, primed))
     if rank == 0:
         torch.save(record, here / "result.pt")
     dist.destroy_process_group()
@@ -356,8 +360,8 @@ def explain_empty_shard_state(results: dict, record: dict) -> None:
     for row in record["sections"]["state_dict"]["rows"]:
         if row.get("passed", True) or "errors" in row:
             continue
-        sides = {s: results[s]["runs"][row["case"]] for s in ab.SIDES}
-        left, omitted = [], {s: set() for s in ab.SIDES}
+        sides = {s: results[s]["runs"][row["case"]] for s in SIDES}
+        left, omitted = [], {s: set() for s in SIDES}
         a, b = sides["upstream"]["model_meta"], sides["ours"]["model_meta"]
         left += sorted(a.keys() ^ b.keys()) + [k for k in a.keys() & b.keys() if a[k] != b[k]]
         a, b = sides["upstream"]["optim_meta"], sides["ours"]["optim_meta"]
@@ -370,7 +374,7 @@ def explain_empty_shard_state(results: dict, record: dict) -> None:
                 omitted[omits].add(int(parts[1]))
             else:
                 left.append(key)
-        row["rank0_shard_layout"] = {s: results[s]["runs"][row["case"]].get("param_local_numel") for s in ab.SIDES}
+        row["rank0_shard_layout"] = {s: results[s]["runs"][row["case"]].get("param_local_numel") for s in SIDES}
         placements = sorted({f"upstream {a[k]['placements']} vs ours {b[k]['placements']}"
                              for a, b in [(sides["upstream"]["model_meta"], sides["ours"]["model_meta"])]
                              for k in a.keys() & b.keys() if a[k].get("placements") != b[k].get("placements")})
@@ -395,17 +399,17 @@ def classify(record: dict, results: dict) -> None:
     findings = []
     for section in ("fp32", "bf16"):
         for row in record["sections"][section]["rows"]:
-            tol = row.get("tolerance", ab.FP32_TOL)
+            tol = row.get("tolerance", FP32_TOL)
             ref = ours_refs.get("bare" if section == "fp32" else f"master/{row['precision']}", {})
             run = ours_refs["runs"].get(row["case"], {})
-            ours = ab.max_abs_diff(run["model"], ref["model"])[0] if "model" in run and "model" in ref else None
+            ours = max_abs_diff(run["model"], ref["model"])[0] if "model" in run and "model" in ref else None
             row["ours_vs_reference"] = ours
             row["ours_exact"] = ours is not None and ours <= tol
             if row["passed"]:
                 continue
             upstream = results["upstream"]["runs"].get(row["case"], {})
             if "model" in upstream and "model" in summed:
-                row["vs_primed_summed_adamw"] = {"upstream": ab.max_abs_diff(upstream["model"], summed["model"])[0]}
+                row["vs_primed_summed_adamw"] = {"upstream": max_abs_diff(upstream["model"], summed["model"])[0]}
             if row.get("errors") and set(row["errors"]) == {"upstream"}:
                 row["verdict"] = "upstream failed (see errors); ours " + ("equals" if row["ours_exact"] else
                                                                           "differs from") + " the reference"
@@ -446,7 +450,7 @@ def continuation(script, folder: Path, scale: float) -> dict:
     state["state"] = {int(i): dict(st) for i, st in whole["optimizer"]["state"].items()}
     optimizer.load_state_dict(state)
     losses = []
-    for x, y in script.data[ab.SAVE_AT:ab.STEPS]:
+    for x, y in script.data[SAVE_AT:STEPS]:
         optimizer.zero_grad()
         loss = torch.nn.functional.mse_loss(module(x), y)
         loss.backward()
@@ -465,14 +469,14 @@ def _state_only(optim: dict) -> dict:
 def _distances(resumed: dict, target: dict) -> dict:
     """Weights, optimizer state (all of it, or its per-parameter part against a
     continuation) and the losses of steps SAVE_AT+1..STEPS."""
-    w, w_only = ab.max_abs_diff(resumed["model"], target["model"])
+    w, w_only = max_abs_diff(resumed["model"], target["model"])
     optim = resumed["optim"] if any(not k.startswith("state.") for k in target["optim"]) else _state_only(resumed["optim"])
-    o, o_only = ab.max_abs_diff(optim, target["optim"], strip=False)
+    o, o_only = max_abs_diff(optim, target["optim"], strip=False)
     losses = target["losses"][-len(resumed["losses"]):]
-    l_diff = max(ab._not_nan(abs(a - b)) for a, b in zip(resumed["losses"], losses))
+    l_diff = max(not_nan(abs(a - b)) for a, b in zip(resumed["losses"], losses))
     # Two empty dicts differ by 0.0: count what was compared, and require some of each.
     counts = dict(weights=len(resumed["model"]), optim_state=len(_state_only(optim)), losses=len(resumed["losses"]))
-    ok = (ab._ok(w, w_only, ab.FP32_TOL) and ab._ok(o, o_only, ab.FP32_TOL) and l_diff <= ab.FP32_TOL
+    ok = (passes(w, w_only, FP32_TOL) and passes(o, o_only, FP32_TOL) and l_diff <= FP32_TOL
           and min(counts.values()) > 0)
     return dict(weights=w, optim_state=o, losses=l_diff, keys_on_one_side=(w_only + o_only)[:20], compared=counts,
                 equal=ok)
@@ -485,15 +489,15 @@ def checkpoint_section(resumes: dict, savers: dict, world: int) -> dict:
     the saving run's record and its world size; tag "" is this run."""
     import torch
 
-    script = ab.UserScript(None, torch.device("cpu"))  # build/optimizer/data only: no package is used
+    script = UserScript(None, torch.device("cpu"))  # build/optimizer/data only: no package is used
     rows = []
-    for loader in ab.SIDES:
+    for loader in SIDES:
         for key, resumed in sorted(resumes[loader]["resume"].items()):
             saver_tag, case = key.split("<-")[1].split("/", 1)
             saver, tag = saver_tag.split("@")[0], saver_tag[len(saver_tag.split("@")[0]):]
             saved, saved_world = savers[tag][saver]
             row = dict(case=key, loader=loader, saver=saver, saved_at_world=saved_world, loaded_at_world=world,
-                       tolerance=ab.FP32_TOL, criterion="equal to the saver's uninterrupted run")
+                       tolerance=FP32_TOL, criterion="equal to the saver's uninterrupted run")
             straight = saved["runs"].get(case, {})
             own = resumes[loader].get("own_runs", {}).get(case, {})
             if "model" not in straight:
@@ -520,7 +524,7 @@ def checkpoint_section(resumes: dict, savers: dict, world: int) -> dict:
                         ref = continuation(script, Path(resumed["checkpoint"]), scale)
                         row[f"vs_continuation_{name}"] = _distances(resumed, ref)
                         row[f"saver_run_vs_continuation_{name}"] = _distances(
-                            dict(straight, losses=straight["losses"][ab.SAVE_AT:]), ref)
+                            dict(straight, losses=straight["losses"][SAVE_AT:]), ref)
                     except Exception as exc:
                         row[f"vs_continuation_{name}"] = dict(error=f"{type(exc).__name__}: {exc}")
                 exact = [n for n in scales if row.get(f"vs_continuation_{n}", {}).get("equal")]
@@ -539,7 +543,7 @@ def _run_phase(phase: str, roots: dict, out: Path, world: int, opts: list[str], 
                deadline: float) -> dict:
     """Both sides' ranks for one phase; {side: (returncode, log tail)}."""
     status, running = {}, {}
-    for side in ab.SIDES:
+    for side in SIDES:
         running[side] = start_side(side, roots[side], out, world, opts, side == "upstream" and not self_check,
                                    fallback if side == "upstream" else None, phase)
         if world > 2:  # 2N ranks at once would crowd a small machine; at N <= 2 both sides overlap
@@ -549,7 +553,7 @@ def _run_phase(phase: str, roots: dict, out: Path, world: int, opts: list[str], 
 
 
 def run_multi(upstream_wheel, out: Path, *, world: int, patterns: str, self_check: bool = False,
-              strategies: str = ",".join(ab.STRATEGIES), precisions: str = ",".join(ab.PRECISIONS),
+              strategies: str = ",".join(STRATEGIES), precisions: str = ",".join(PRECISIONS),
               checkpoint: bool = True, resume_from: Path | None = None, timeout: float = 600.0) -> dict:
     """Both sides at world ``world`` for ``patterns``; the record (``out/upstream_ab.json``).
     With ``checkpoint`` each side then resumes both sides' step-SAVE_AT checkpoints, and
@@ -561,10 +565,10 @@ def run_multi(upstream_wheel, out: Path, *, world: int, patterns: str, self_chec
     if unknown:
         raise ValueError(f"--patterns {sorted(unknown)} not among {', '.join(PATTERNS)}")
     if self_check:
-        roots, fallback = {"upstream": ab.REPO, "ours": ab.REPO}, None
+        roots, fallback = {"upstream": REPO, "ours": REPO}, None
     else:
         wheel = Path(upstream_wheel).resolve()
-        roots = {"upstream": ab.unpack_wheel(wheel, out), "ours": ab.REPO}
+        roots = {"upstream": unpack_wheel(wheel, out), "ours": REPO}
         deps = wheel.parent / "deps"
         fallback = deps if deps.is_dir() else None
     opts = ["--patterns", patterns, "--strategies", strategies, "--precisions", precisions]
@@ -582,11 +586,11 @@ def run_multi(upstream_wheel, out: Path, *, world: int, patterns: str, self_chec
     else:
         import torch
 
-        results = {s: torch.load(out / s / "result.pt", weights_only=False) for s in ab.SIDES}
-        for s in ab.SIDES:
+        results = {s: torch.load(out / s / "result.pt", weights_only=False) for s in SIDES}
+        for s in SIDES:
             record["workers"][s].update(version=results[s]["version"], imported_from=results[s]["package"],
                                         seconds=results[s]["timings"], cpu_shim=results[s]["cpu_shim"])
-        record["sections"] = ab.compare(results)
+        record["sections"] = compare(results)
         explain_empty_shard_state(results, record)
         classify(record, results)
         todo = cases(patterns.split(","), strategies.split(","), precisions.split(","), world)
@@ -605,30 +609,30 @@ def resume_all(roots, out: Path, world: int, opts: list[str], self_check: bool, 
     """The resume phase (each side loads each checkpoint) and its checkpoint section."""
     import torch
 
-    savers = {"": {s: (results[s], world) for s in ab.SIDES}}
-    sources = [[s, str(out / s / "ckpt"), "", sorted(results[s]["runs"])] for s in ab.SIDES]
+    savers = {"": {s: (results[s], world) for s in SIDES}}
+    sources = [[s, str(out / s / "ckpt"), "", sorted(results[s]["runs"])] for s in SIDES]
     if resume_from is not None:
         other = Path(resume_from).resolve()
         other_world = json.loads((other / "upstream_ab.json").read_text())["world"]
         tag = f"@w{other_world}"
-        savers[tag] = {s: (torch.load(other / s / "result.pt", weights_only=False), other_world) for s in ab.SIDES}
-        sources += [[s, str(other / s / "ckpt"), tag, sorted(savers[tag][s][0]["runs"])] for s in ab.SIDES]
+        savers[tag] = {s: (torch.load(other / s / "result.pt", weights_only=False), other_world) for s in SIDES}
+        sources += [[s, str(other / s / "ckpt"), tag, sorted(savers[tag][s][0]["runs"])] for s in SIDES]
     status = _run_phase("resume", roots, out, world, opts + ["--sources", json.dumps(sources)], self_check,
                         fallback, deadline)
     failed = {s: tail for s, (rc, tail) in status.items() if rc != 0}
     if failed:
         return dict(rows=[], passed=False, error="a rank failed in the resume phase", logs=failed)
-    resumes = {s: torch.load(out / s / "resume.pt", weights_only=False) for s in ab.SIDES}
-    for s in ab.SIDES:
+    resumes = {s: torch.load(out / s / "resume.pt", weights_only=False) for s in SIDES}
+    for s in SIDES:
         resumes[s]["own_runs"] = results[s]["runs"]
     section = checkpoint_section(resumes, savers, world)
-    section["seconds"] = {s: resumes[s]["timings"] for s in ab.SIDES}
+    section["seconds"] = {s: resumes[s]["timings"] for s in SIDES}
     return section
 
 
 def rank_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="one rank of one side (started by run_multi)")
-    parser.add_argument("--side", choices=ab.SIDES, required=True)
+    parser.add_argument("--side", choices=SIDES, required=True)
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--world", type=int, required=True)
     parser.add_argument("--pkg-root", required=True)
@@ -644,18 +648,22 @@ def rank_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def run_from_args(args) -> dict:
+    """``run_multi`` for the command line of upstream_ab_lib.cli (``--patterns`` default: plain)."""
+    return run_multi(args.upstream_wheel, Path(args.out), world=args.world, patterns=args.patterns or "plain",
+                     self_check=args.self_check, strategies=args.strategies, precisions=args.precisions,
+                     checkpoint=args.checkpoint, resume_from=args.resume_from)
+
+
 def main() -> None:
     """One rank of one side (``--side``, started by ``run_multi``), or the whole run with
-    ``upstream_ab.py``'s command line (which hands ``--world > 1`` / ``--patterns`` here)."""
+    ``upstream_ab.py``'s command line (which runs ``--world > 1`` / ``--patterns`` here)."""
     if "--side" in sys.argv[1:]:
         return rank_main(rank_parser().parse_args())
-    parser = ab.build_parser()
+    parser = build_parser(__doc__.splitlines()[0])
     args = parser.parse_args()
-    ab.check_args(parser, args)
-    record = run_multi(args.upstream_wheel, Path(args.out), world=args.world, patterns=args.patterns or "plain",
-                       self_check=args.self_check, strategies=args.strategies, precisions=args.precisions,
-                       checkpoint=args.checkpoint, resume_from=args.resume_from)
-    ab.report(record, Path(args.out))
+    check_args(parser, args)
+    report(run_from_args(args), Path(args.out))
 
 
 if __name__ == "__main__":
