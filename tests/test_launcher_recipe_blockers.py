@@ -1,5 +1,5 @@
 """Megatron-LM flags that kept its functional-test recipes and example scripts from
-running here (measured 2026-11-26), each accepted only where it provably changes no
+running here, each accepted only where it provably changes no
 value, or refused as Megatron-LM refuses it:
 
 * ``--fine-grained-activation-offloading`` and its knobs (a host copy of saved

@@ -1,4 +1,4 @@
-"""Megatron-LM flags that blocked its functional-test recipes on their own (2026-11-26):
+"""Megatron-LM flags that blocked its functional-test recipes on their own:
 ``--ddp-average-in-collective``, ``--save-retain-interval``, and the ones accepted
 with a warning because they change no number here (``--use-tp-pp-dp-mapping``,
 ``--test-mode``, ``--async-strategy``, ``--async-ckpt-use-cpu-shm``,

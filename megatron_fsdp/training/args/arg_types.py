@@ -55,9 +55,8 @@ class DataParallelPath(enum.Enum):
     main weights sharded (ZeRO-1). Megatron-FSDP's ``no_shard`` and ``optim``
     strategies are that design, so such runs use them with those dtypes. PyTorch DDP
     remains for fp32 without a distributed optimizer, where it gives the same numbers
-    (up to the order of the gradient sum): before 2026-11-25 bf16/fp16 DDP runs kept
-    fp32 weights under autocast (fp32 residual stream and norms, unlike Megatron-LM) and
-    ``--use-distributed-optimizer`` without ``--use-megatron-fsdp`` was refused."""
+    (up to the order of the gradient sum); PyTorch DDP with bf16/fp16 would keep fp32
+    weights under autocast (an fp32 residual stream and norms, unlike Megatron-LM)."""
 
     MEGATRON_FSDP = "megatron-fsdp"
     """``--use-megatron-fsdp``: the strategy of ``--data-parallel-sharding-strategy``."""

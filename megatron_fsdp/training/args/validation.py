@@ -494,8 +494,8 @@ def _determinism(args, world_size) -> list[str]:
 def default_tokenizer_type(args: argparse.Namespace) -> None:
     """Megatron-LM's ``pretrain_gpt.py`` defaults ``--tokenizer-type`` to GPT2BPETokenizer,
     so a run that gives ``--vocab-file``/``--merge-file`` without a type trains GPT-2's
-    50257 tokens there. Before 2026-11-25 the launcher took the byte tokenizer (256
-    ids) for such a run and ignored the files: a different model. Without the files
+    50257 tokens there, so the launcher does too (the byte tokenizer, 256 ids, would
+    ignore the files: a different model). Without the files
     Megatron-LM's default cannot start; the launcher keeps its own defaults then
     (``derive_fields``)."""
     if args.tokenizer_type is None and (args.vocab_file or args.merge_file):

@@ -100,8 +100,8 @@ def set_rng_state(state: dict[str, Any], device: torch.device = torch.device("cp
 
 def _mcore_rng_tracker():
     """megatron-core's model-parallel RNG tracker once seeded (megatron-core models only;
-    before 2026-11-26 its streams were not checkpointed, so a resumed run's attention
-    dropout drew other masks than the uninterrupted run's)."""
+    its streams are checkpointed, or a resumed run's attention dropout would draw other
+    masks than the uninterrupted run's)."""
     module = sys.modules.get("megatron.core.tensor_parallel.random")
     if module is None:
         return None
