@@ -24,6 +24,7 @@ from .enums import ShardingStrategy
 from .runtime.grad_reduce_pipeline import GradReducePipeline, GradReduceOptions
 from .runtime.hooks import FSDPUnit, HookRuntime, guard_hooks_under_compile
 from .param_marks import is_fsdp_no_shard
+from .runtime.init_sync import sync_initial_state
 from .runtime.meta_init import has_meta_tensors, materialize_meta_module
 from .mixed_precision import MixedPrecisionPolicy
 from .runtime.wrap_checks import check_module
@@ -169,6 +170,8 @@ class MegatronFSDP(RefusesCopies, nn.Module):
         check_module(module, self.device, allow_meta=init_model_with_meta_device, wrapper_types=(MegatronFSDP,))
         te_compat.check_supported(module)  # before any buffer: FP8 parameters cannot be repointed
         streams.check_torch_for_device(self.device)
+        # [Note: initial state from data-parallel rank 0]: as DDP at construction.
+        sync_initial_state(module, self.dist_index, collectives.as_timeout(self.ddp_config.collective_timeout_s))
         self.module = module
         self._te_hooks = te_compat.prepare_fused_wgrad(module, self.mp_policy.grads_dtype_for)
         WRAPPED[module] = self

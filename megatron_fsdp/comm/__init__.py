@@ -5,6 +5,7 @@ Modules, one concern each:
 
 - ``collectives.py``: stateless collective wrappers (each takes its group and tensors and
   returns a handle), counted by ``CollectiveRecorder``; gloo's wait at exit.
+- ``broadcast_tensors.py``: many tensors made equal to their first copy, in flat buckets.
 - ``p2p_transport.py``: flat all-gather and reduce-scatter over point-to-point messages, for gloo.
 - ``release_after_wait.py``: [Note: release after wait]: a bucket is released only after its
   collective's ``wait()``.

@@ -38,6 +38,7 @@ from torch.distributed.tensor.placement_types import Placement
 from torch.profiler import record_function
 
 from ..buffers.allocator import BufferAccounting, StorageResizeAllocator
+from ..comm.broadcast_tensors import broadcast_from_first
 from ..runtime.wrapped_model_guards import RefusesCopies, refuse_move
 from ..mixed_precision import MixedPrecisionPolicy
 from ..runtime.backward_outputs import grad_tensors, refuse_hidden_grad_tensors
@@ -174,9 +175,14 @@ class FsdpModule(RefusesCopies):
         self._phase = FsdpModule.Phase.RESTING
         self._unsharded = False
         self._in_flight: list[FsdpParameterGroup] = []
+        self._held: list[FsdpParameterGroup] = []
+        """Frozen groups kept whole past post_backward ([Note: frozen groups in trained modules])."""
+        self._pending_inputs = 0
+        """Input-gradient hooks registered and not yet fired."""
         self._num_ready = 0
         self._open_range: Optional[object] = None
         """The profiler range of the phase in progress (see [Note: phase ranges])."""
+        _sync_owned_state(cast(nn.Module, self), mesh)
         groups = []
         for key, params in _group_parameters(_owned_parameters(cast(nn.Module, self))).items():
             groups.append(
@@ -196,6 +202,7 @@ class FsdpModule(RefusesCopies):
             )
         self._parameter_groups = tuple(groups)
         self._num_trainable = sum(len(g.fsdp_parameters) for g in groups if g.requires_grad)
+        self._mixed = self._num_trainable > 0 and any(not g.requires_grad for g in groups)
         self._register_hooks()
         context.register_module(self)
 
@@ -272,7 +279,7 @@ class FsdpModule(RefusesCopies):
         module = cast(nn.Module, self)
         # Hooks receive the module as an argument instead of closing over self, so
         # they do not keep a deleted module alive.
-        module.register_forward_pre_hook(lambda m, _args: m.pre_forward())
+        module.register_forward_pre_hook(lambda m, args, kwargs: m.pre_forward(args, kwargs), with_kwargs=True)
         module.register_forward_hook(lambda m, _args, out: m.post_forward(out))
         module.register_load_state_dict_pre_hook(_refuse_assign_load)
         ref = weakref.ref(self)
@@ -281,9 +288,11 @@ class FsdpModule(RefusesCopies):
                 for p in group.fsdp_parameters:
                     p.unsharded.register_post_accumulate_grad_hook(lambda _p: _on_grad_ready(ref))
 
-    def pre_forward(self) -> None:
+    def pre_forward(self, args: tuple = (), kwargs: Optional[dict] = None) -> None:
         self.context.ensure_finalized()
         recomputing = self.phase is FsdpModule.Phase.BACKWARD or _in_backward()
+        if self._mixed and torch.is_grad_enabled() and not (recomputing and self._pending_inputs):
+            self._watch_inputs(args, kwargs or {})
         if self.phase is not FsdpModule.Phase.BACKWARD:
             self.phase = FsdpModule.Phase.FORWARD
         if not recomputing:
@@ -325,10 +334,30 @@ class FsdpModule(RefusesCopies):
             following._launch_unshard()
         self._wait_unshard()
 
+    def _watch_inputs(self, args: tuple, kwargs: dict) -> None:
+        """[Note: frozen groups in trained modules] A module's trainable weights can
+        all have their gradients while a frozen weight it used earlier in its forward
+        (a frozen LayerNorm before a trained linear) is still needed to carry the
+        gradient back to the module's inputs. Such a module keeps its frozen groups
+        whole past post_backward until the gradients of its inputs exist (FSDP2 hooks
+        its post-backward on the inputs the same way), or until the end of backward.
+        Modules whose groups all train, or all are frozen, need no such hook."""
+        needing_grad = grad_tensors((args, kwargs))
+        if not needing_grad:
+            return
+        self._pending_inputs += 1
+        ref = weakref.ref(self)
+        torch.autograd.graph.register_multi_grad_hook(needing_grad, lambda _grads: _on_inputs_done(ref), mode="all")
+
+    def inputs_done(self) -> None:
+        self._pending_inputs = max(0, self._pending_inputs - 1)
+        if not self._pending_inputs and self._held:
+            self._release(self._held)
+
     def post_backward(self) -> None:
         if self.phase is not FsdpModule.Phase.BACKWARD:
             return  # a module whose forward ran without grad tracking
-        self._reshard()
+        self._reshard(keep_frozen=self._pending_inputs > 0)
         # The previous module's reduce-scatter overlapped this module's backward;
         # finishing it now frees its gradient bucket (at most one module's in flight).
         self.context.finish_reductions()
@@ -349,8 +378,10 @@ class FsdpModule(RefusesCopies):
             return
         with record_function(f"megatron_fsdp::all_gather:{self._name or '<root>'}"):
             for group in self._parameter_groups:
-                group.unshard_parameters(async_op=True)
-                self._in_flight.append(group)
+                if group not in self._held:  # still whole
+                    group.unshard_parameters(async_op=True)
+                    self._in_flight.append(group)
+        self._held = []
         if not self._parameter_groups:
             self._unsharded = True
 
@@ -363,15 +394,21 @@ class FsdpModule(RefusesCopies):
         self._in_flight = []
         self._unsharded = True
 
-    def _reshard(self) -> None:
+    def _reshard(self, keep_frozen: bool = False) -> None:
         self._wait_unshard()  # a gather still in flight must land before its buffer is freed
-        for group in self._parameter_groups:
-            group.reshard_parameters()
-            group.release_unsharded_storage()
+        self._held = [g for g in self._parameter_groups if keep_frozen and not g.requires_grad]
+        self._release([g for g in self._parameter_groups if g not in self._held])
         self._unsharded = False
 
+    def _release(self, groups) -> None:
+        for group in groups:
+            group.reshard_parameters()
+            group.release_unsharded_storage()
+        self._held = [g for g in self._held if g not in groups]
+
     def _reshard_if_unsharded(self) -> None:
-        if self._unsharded or self._in_flight:
+        self._pending_inputs = 0  # hooks of forwards whose backward never ran
+        if self._unsharded or self._in_flight or self._held:
             self._reshard()
         self._phase = FsdpModule.Phase.RESTING
         self._end_range()
@@ -402,6 +439,12 @@ def _on_pre_backward(ref: "weakref.ReferenceType[FsdpModule]") -> None:
     module = ref()
     if module is not None:
         module.pre_backward()
+
+
+def _on_inputs_done(ref: "weakref.ReferenceType[FsdpModule]") -> None:
+    module = ref()
+    if module is not None:
+        module.inputs_done()
 
 
 def _on_grad_ready(ref: "weakref.ReferenceType[FsdpModule]") -> None:
@@ -456,6 +499,25 @@ def _owned_parameters(root: nn.Module) -> dict[str, nn.Parameter]:
 
     visit(root, "")
     return owned
+
+
+def _owned_buffers(root: nn.Module) -> list[torch.Tensor]:
+    """Buffers under ``root`` outside the FsdpModules nested inside it."""
+    found = list(root.buffers(recurse=False))
+    for child in root.children():
+        if not isinstance(child, FsdpModule):
+            found.extend(_owned_buffers(child))
+    return found
+
+
+def _sync_owned_state(root: nn.Module, mesh: DeviceMesh) -> None:
+    """[Note: initial state from data-parallel rank 0] (runtime/init_sync.py): the
+    parameters and buffers this call shards start from the mesh's first rank, along
+    every axis (all of them are data-parallel axes). Meta tensors are initialised
+    after sharding, on their shards."""
+    tensors = list(dict.fromkeys(_owned_parameters(root).values())) + _owned_buffers(root)
+    groups = [mesh.get_group(axis) for axis in range(mesh.ndim)]
+    broadcast_from_first([t for t in tensors if not t.is_meta], groups, label="initial_state")
 
 
 def _group_parameters(params: dict[str, nn.Parameter]) -> dict[tuple, dict[str, nn.Parameter]]:

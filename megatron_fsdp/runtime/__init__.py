@@ -8,6 +8,7 @@ Modules, one concern each:
 - ``grad_reduce_pipeline.py``: from autograd's raw gradients to reduced main gradients.
 - ``nan_check.py``: ``check_for_nan_in_grad`` with one host sync per step.
 - ``weight_edits.py``: in-place edits of ``model.parameters()`` reaching the compute weights.
+- ``init_sync.py``: every data-parallel rank starts from rank 0's parameters and buffers.
 - ``meta_init.py``: materialising a meta-device model straight into the sharded buffers.
 - ``registered_params.py``: which tensors the wrapped module's registered parameters are.
 - ``backward_outputs.py``: which tensors of a module's output backward reaches.

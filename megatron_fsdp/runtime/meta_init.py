@@ -21,6 +21,7 @@ import torch.nn as nn
 
 from ..param_marks import pop_marks, restore_marks
 from ..buffers.param_and_grad_buffer import ParamAndGradBuffer
+from .init_sync import sync_materialized
 
 logger = logging.getLogger(__name__)
 
@@ -156,6 +157,10 @@ def _materialize_block(members: dict[str, nn.Module], resets: list, buffer: Para
         reset()
     for name, (m, written) in fresh.items():
         _check_buffers_written(name, m, written)
+    # [Note: initial state from data-parallel rank 0] in init_sync.py: before the values are stored.
+    # A reset may have replaced a buffer: sync the tensor registered now.
+    new_buffers = [(m, m._buffers[n]) for m, written in fresh.values() for n in written if m._buffers.get(n) is not None]
+    sync_materialized(meta_params, new_buffers, buffer.dist_index)
     for p in meta_params:
         group, index = buffer.slot(p)
         buffer.store_param_value(group, index, p.detach())
