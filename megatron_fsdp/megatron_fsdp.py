@@ -24,7 +24,7 @@ from .enums import ShardingStrategy
 from .runtime.grad_reduce_pipeline import GradReducePipeline, GradReduceOptions
 from .runtime.hooks import FSDPUnit, HookRuntime, guard_hooks_under_compile
 from .param_marks import is_fsdp_no_shard
-from .runtime.init_sync import sync_initial_state
+from .runtime.init_sync import sync_initial_state, sync_module_buffers
 from .runtime.meta_init import has_meta_tensors, materialize_meta_module
 from .mixed_precision import MixedPrecisionPolicy
 from .runtime.wrap_checks import check_module
@@ -335,7 +335,7 @@ class MegatronFSDP(RefusesCopies, nn.Module):
         self._sync_requires_grad()
         self._edits.refresh()
         if self.broadcast_buffers and self._buffers_need_sync:
-            self._broadcast_module_buffers()
+            sync_module_buffers(self.module, self.dist_index, self.grad_reduce_pipeline.timeout)
         # As DDP: a forward that will sync gradients makes the next forward sync buffers.
         self._buffers_need_sync = torch.is_grad_enabled() and self._sync_enabled()
         self._runtime.root_pre_forward()
@@ -513,23 +513,6 @@ class MegatronFSDP(RefusesCopies, nn.Module):
             self.all_gather_pipeline.mark_stale(stale)
             self.start_param_sync()
         self._edits.snapshot()
-
-    @torch.no_grad()
-    def _broadcast_module_buffers(self) -> None:
-        """One broadcast per dtype over the data-parallel groups, from their rank 0."""
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for buf in self.module.buffers():
-            by_dtype.setdefault(buf.dtype, []).append(buf)
-        if not by_dtype:
-            return
-        dp = self.dist_index.groups_for(False)
-        for buffers in by_dtype.values():
-            flat = torch.cat([b.reshape(-1) for b in buffers])
-            for pg in (dp.shard_group, dp.outer_group):
-                if pg is not None and dist.get_world_size(pg) > 1:
-                    collectives.broadcast(flat, 0, pg, label="module_buffers", timeout=self.grad_reduce_pipeline.timeout)
-            for b, piece in zip(buffers, flat.split([b.numel() for b in buffers])):
-                b.copy_(piece.view_as(b))
 
     # -- user changes between steps ---------------------------------------------------
     def _sync_requires_grad(self) -> None:

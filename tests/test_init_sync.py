@@ -14,6 +14,7 @@ local gradient before the reduction.
 
 from __future__ import annotations
 
+import copy
 import sys
 import types
 from unittest import mock
@@ -398,3 +399,44 @@ def test_grad_hooks_after_wrapping(world, how, strategy):
     for diffs, off_without_hooks in conftest.get_pool(world).run(hooks_worker, how=how, strategy=strategy):
         assert max(diffs.values()) < TOL, diffs
         assert off_without_hooks > 100 * TOL, off_without_hooks
+
+
+# -- [Note: buffers saved for backward] ------------------------------------------------------------
+class PositionNet(nn.Module):
+    """Tokens and a position-id buffer, each looked up in an embedding (whose backward
+    reads the saved ids), as Hugging Face models keep ``position_ids``."""
+
+    def __init__(self, vocab: int = 11, length: int = 3, d: int = 6) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, d)
+        self.positions = nn.Embedding(length, d)
+        self.head = nn.Linear(d, vocab)
+        self.register_buffer("position_ids", torch.arange(length), persistent=False)
+
+    def forward(self, tokens):
+        return self.head(torch.tanh(self.tokens(tokens) + self.positions(self.position_ids)))
+
+
+def position_buffer_worker(rank, world, *, strategy):
+    """Two forwards (the halves of this rank's share), then one backward: the buffer
+    broadcast before the second forward must not write the ids the first one saved."""
+    batches = make_batches("tied", STEPS, batch=4 * world)
+    torch.manual_seed(0)
+    reference = PositionNet()
+    model, opt = mf.fully_shard(copy.deepcopy(reference), make_optimizer("sgd"), zero_dp_strategy=strategy)
+    ref_opt = make_optimizer("sgd")(reference.parameters())
+    for x, y in batches:
+        opt.zero_grad()
+        halves = zip(x.chunk(world)[rank].chunk(2), y.chunk(world)[rank].chunk(2))
+        sum(loss_fn("tied", model(xh), yh) for xh, yh in halves).div(2).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        loss_fn("tied", reference(x), y).backward()
+        ref_opt.step()
+    model.finish_param_sync()
+    return max_param_diff(mf.get_full_state_dict(model), reference)
+
+
+@pytest.mark.parametrize("strategy", [0, 3])
+def test_buffer_sync_leaves_saved_ids_alone(pool2, strategy):
+    assert max(pool2.run(position_buffer_worker, strategy=strategy)) < TOL

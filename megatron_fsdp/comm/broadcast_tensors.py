@@ -40,14 +40,17 @@ def _buckets(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
 
 @torch.no_grad()
 def _broadcast_bucket(
-    bucket: list[torch.Tensor], groups: Sequence[dist.ProcessGroup], label: str, timeout
+    bucket: list[torch.Tensor], groups: Sequence[dist.ProcessGroup], label: str, timeout, only_changed: bool
 ) -> None:
     # Booleans travel as bytes: gloo has no boolean broadcast.
     flat = torch.cat([t.detach().reshape(-1).to(torch.uint8 if t.dtype == torch.bool else t.dtype) for t in bucket])
     for group in groups:
         collectives.broadcast(flat, 0, group, label=label, timeout=timeout)
     for t, piece in zip(bucket, flat.split([t.numel() for t in bucket])):
-        t.copy_(piece.view(t.shape))  # copy_ writes non-contiguous tensors element by element
+        value = piece.view(t.shape).to(t.dtype)
+        if only_changed and torch.equal(t, value):
+            continue  # [Note: buffers saved for backward]
+        t.copy_(value)  # copy_ writes non-contiguous tensors element by element
 
 
 def broadcast_from_first(
@@ -56,10 +59,17 @@ def broadcast_from_first(
     *,
     label: str,
     timeout: Optional[datetime.timedelta] = None,
+    only_changed: bool = False,
 ) -> None:
     """Overwrite ``tensors`` in place with the values of the first rank of each of
     ``groups`` in turn (``None`` and one-rank groups skipped). Collective over every
-    group: every rank passes the same tensors in the same order."""
+    group: every rank passes the same tensors in the same order.
+
+    [Note: buffers saved for backward] ``only_changed``: a tensor already equal to
+    the first rank's is not written. A write bumps its version counter, and a
+    forward's graph may have saved it (a position-id buffer an embedding looked up,
+    with a second forward before the backward): autograd would then refuse the
+    backward. Buffers broadcast before each forward are such tensors."""
     live = [g for g in groups if g is not None and dist.get_world_size(g) > 1]
     if not live:
         return
@@ -69,4 +79,4 @@ def broadcast_from_first(
             by_dtype.setdefault(t.dtype, []).append(t)
     for dtype in sorted(by_dtype, key=str):  # one order on every rank
         for bucket in _buckets(by_dtype[dtype]):
-            _broadcast_bucket(bucket, live, label, timeout)
+            _broadcast_bucket(bucket, live, label, timeout, only_changed)

@@ -15,6 +15,10 @@ groups, since other expert-parallel ranks hold other experts). The cost is one
 broadcast of the model at wrap, next to thousands of steps of gathers and
 reductions. Afterwards ``broadcast_params()`` (Megatron-LM's habit for
 ``--data-parallel-random-init``) finds the replicas already equal.
+
+Buffers are broadcast again before each forward that follows a training forward
+(DDP's ``broadcast_buffers``: BatchNorm statistics differ across ranks after each
+step), over the same groups.
 """
 
 from __future__ import annotations
@@ -45,8 +49,12 @@ def _buffer_is_expert(owner: nn.Module) -> bool:
     return bool(params) and all(is_expert_param(p) for p in params)
 
 
+def _module_buffers(module: nn.Module) -> list[tuple[torch.Tensor, bool]]:
+    return [(b, _buffer_is_expert(m)) for m in module.modules() for b in m.buffers(recurse=False)]
+
+
 def _broadcast(tensors: Iterable[tuple[torch.Tensor, bool]], dist_index: FSDPDistributedIndex, label: str,
-               timeout: Optional[datetime.timedelta]) -> None:
+               timeout: Optional[datetime.timedelta], only_changed: bool = False) -> None:
     by_kind: dict[bool, list[torch.Tensor]] = {False: [], True: []}
     for t, is_expert in tensors:
         if t.device.type != "meta":
@@ -54,7 +62,8 @@ def _broadcast(tensors: Iterable[tuple[torch.Tensor, bool]], dist_index: FSDPDis
     for is_expert, kind_tensors in by_kind.items():
         if kind_tensors:
             dp = dist_index.groups_for(is_expert)
-            broadcast_from_first(kind_tensors, (dp.shard_group, dp.outer_group), label=label, timeout=timeout)
+            broadcast_from_first(kind_tensors, (dp.shard_group, dp.outer_group), label=label, timeout=timeout,
+                                 only_changed=only_changed)
 
 
 def _fingerprint(module: nn.Module) -> int:
@@ -89,8 +98,15 @@ def sync_initial_state(module: nn.Module, dist_index: FSDPDistributedIndex,
     checking that every rank built the same model."""
     check_same_structure(module, dist_index, timeout)
     params = [(p, is_expert_param(p)) for p in module.parameters()]
-    buffers = [(b, _buffer_is_expert(m)) for m in module.modules() for b in m.buffers(recurse=False)]
-    _broadcast(params + buffers, dist_index, "initial_state", timeout)
+    _broadcast(params + _module_buffers(module), dist_index, "initial_state", timeout)
+
+
+def sync_module_buffers(module: nn.Module, dist_index: FSDPDistributedIndex,
+                        timeout: Optional[datetime.timedelta] = None) -> None:
+    """DDP's ``broadcast_buffers``: before a forward, every buffer from the first
+    data-parallel rank; one equal already is left untouched ([Note: buffers saved for
+    backward] in comm/broadcast_tensors.py)."""
+    _broadcast(_module_buffers(module), dist_index, "module_buffers", timeout, only_changed=True)
 
 
 def sync_materialized(params: list[nn.Parameter], buffers: list[tuple[nn.Module, torch.Tensor]],
