@@ -145,17 +145,24 @@ class ParameterGroup:
         return f"ParameterGroup({self.label}, {self.strategy.label}, params={len(self.params)}, numel={self.layout.numel})"
 
 
+OUTSIDE = -1
+"""The owner standing for the modules outside every unit."""
+
+
 def assign_units(module: nn.Module, unit_modules: Sequence[Sequence[nn.Module]]) -> dict[nn.Parameter, Optional[int]]:
     """Map each parameter to the innermost unit that owns it (a unit is one or
     more modules).
 
     A unit owns the parameters of its modules' subtrees minus those of modules of
-    other units nested inside. A parameter reached from two units (tied weights)
-    belongs to no unit: it is kept gathered for the whole step, since either unit
-    may need it at any time.
+    other units nested inside. A parameter reached from two units (tied weights),
+    or from a unit and a module outside every unit (an output head in a unit
+    sharing the root's embedding), belongs to no unit: it is kept gathered for the
+    whole step, since either user may need it at any time.
     """
     owners: dict[nn.Parameter, set[int]] = {}
     unit_of_module = {id(m): i for i, members in enumerate(unit_modules) for m in members}
+    for p in _outside_units(module, unit_of_module):
+        owners.setdefault(p, set()).add(OUTSIDE)
     for index, members in enumerate(unit_modules):
         for member in members:
             nested = [m for m in member.modules() if unit_of_module.get(id(m), index) != index]
@@ -166,8 +173,21 @@ def assign_units(module: nn.Module, unit_modules: Sequence[Sequence[nn.Module]])
     result: dict[nn.Parameter, Optional[int]] = {}
     for p in module.parameters():
         units = owners.get(p, set())
-        result[p] = next(iter(units)) if len(units) == 1 else ROOT_UNIT
+        result[p] = next(iter(units)) if len(units) == 1 and OUTSIDE not in units else ROOT_UNIT
     return result
+
+
+def _outside_units(module: nn.Module, unit_of_module: dict[int, int]) -> list[nn.Parameter]:
+    """Parameters registered on modules that belong to no unit."""
+    found = []
+    stack = [module]
+    while stack:
+        m = stack.pop()
+        if id(m) in unit_of_module:
+            continue
+        found.extend(p for p in m.parameters(recurse=False))
+        stack.extend(m.children())
+    return found
 
 
 def root_owners(names: dict[nn.Parameter, str], unit_of: dict, limit: Optional[int]) -> dict[str, int]:

@@ -33,7 +33,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.profiler import record_function
 
 from .all_gather_pipeline import AllGatherPipeline
-from ..enums import BackwardMode, ShardingStrategy, TrainingState
+from ..enums import BackwardMode, BucketStatus, ShardingStrategy, TrainingState
 from .grad_reduce_pipeline import GradReducePipeline
 from .backward_outputs import grad_tensors, refuse_hidden_grad_tensors
 from ..buffers.param_and_grad_buffer import ParamAndGradBuffer, ParameterGroup
@@ -169,6 +169,9 @@ class HookRuntime:
         decided from them, and they start afresh when it begins."""
         self._finished: set[FSDPUnit] = set()
         """Units whose forward finished in the current forward."""
+        self._held_skipped: list[FSDPUnit] = []
+        """Units visited as skipped and kept gathered until the forward ends
+        (unit_schedule.py [Note: the first forward in an unknown order])."""
         self._logged_several = False
         self._handles: list[Any] = []
 
@@ -241,6 +244,8 @@ class HookRuntime:
         self._close_open_units(None)
         for unit in self._forward_walk.remaining():
             self._visit_skipped_forward(unit)
+        held, self._held_skipped = self._held_skipped, []
+        self.all_gather.reshard([g for u in held for g in u.groups if g.model_weights.status is not BucketStatus.EMPTY])
         # The first training forward fixes the unit order used by every rank.
         if self.schedule.order and torch.is_grad_enabled() and not self.schedule.final:
             self.schedule.agree(self.root_dp_group)
@@ -320,6 +325,7 @@ class HookRuntime:
             return  # recompute inside backward: already gathered
         self.refuse_direct_call(unit, module)  # before any gather: the schedule stays as it was
         self._close_open_units(unit)
+        revisit = unit in self._forward_walk.visited
         for skipped in self._forward_walk.catch_up(unit):
             self._visit_skipped_forward(skipped)
         if torch.is_grad_enabled():
@@ -330,8 +336,9 @@ class HookRuntime:
         if unit not in self._open:
             self._open.append(unit)
         with record_function(f"megatron_fsdp::unshard:{unit.name}"):
-            self.all_gather.unshard_and_wait(unit.groups)
-            self._prefetch(unit, step=1)
+            self.all_gather.unshard_and_wait(unit.groups)  # nothing to do for a held unit
+            if not revisit:  # the walk prefetched past it already
+                self._prefetch(unit, step=1)
 
     def _keep_gathered(self, unit: FSDPUnit) -> bool:
         """The last unit of a training forward is the first of the backward: releasing
@@ -345,7 +352,9 @@ class HookRuntime:
         with record_function(f"megatron_fsdp::unshard_skipped:{unit.name}"):
             self.all_gather.unshard_and_wait(unit.groups)
             self._prefetch(unit, step=1)
-            if not self._keep_gathered(unit):
+            if not self.schedule.final:  # [Note: the first forward in an unknown order]
+                self._held_skipped.append(unit)
+            elif not self._keep_gathered(unit):
                 self.all_gather.reshard(unit.groups)
 
     @_eager
@@ -355,7 +364,9 @@ class HookRuntime:
         if unit.state.in_backward:
             return output
         training = torch.is_grad_enabled()
-        keep = not last or self._keep_gathered(unit)
+        # A held unit stays gathered until the forward ends whether or not it ran, so
+        # that every rank holds the same buckets (fsdp_double_buffer's slots).
+        keep = not last or self._keep_gathered(unit) or unit in self._held_skipped
         if last:
             self._finish_forward(unit, training)
         if not keep:
@@ -397,9 +408,13 @@ class HookRuntime:
             if unit in self._released_in_backward:
                 raise RuntimeError(_revisit_message(unit))
             return  # another output of a unit in backward, or a merged unit's next module
+        enclosing = self._ancestors.get(unit, set())
         for skipped in self._backward_walk.catch_up(unit):
             self._visit_backward(skipped)
-            if not self._mode.reduces_at_end:  # else another forward's backward may still use it
+            # A unit enclosing this one (a module with parameters of its own around units,
+            # its output also theirs: its hook may fire after theirs) is not skipped: its
+            # gradients come after its children's.
+            if skipped not in enclosing and not self._mode.reduces_at_end:  # else another forward's backward may still use it
                 self.all_gather.reshard([g for g in skipped.groups if g.requires_grad])  # no gradient will come
         self._visit_backward(unit)
 

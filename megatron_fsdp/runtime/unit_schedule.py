@@ -16,18 +16,66 @@ Two orders are kept: the order in which units *start* their forward (the forward
 walk) and the order in which they *finish* it, whose reverse is the order their
 backward starts (the backward walk): with nested units a parent starts before its
 children but finishes after them. Both start from the module structure; after
-the first training forward, rank 0's observed orders (units it did not run
-inserted after their predecessor in module order) are broadcast and used by every
-rank from then on.
+the first training forward every rank's observed orders are gathered and merged
+into one that respects each rank's (``merge_orders``), used by every rank from
+then on.
+
+[Note: the first forward in an unknown order] Until then the walk follows module
+order, which is not always the order units run in (a model whose forward calls
+its submodules in another order than it registered them). A rank whose forward
+reaches a unit the walk placed earlier visits the units in between as skipped,
+and may run one of them afterwards: on a rank that skips that unit (layer drop)
+no gather would pair with the second one. So in that first forward a skipped
+visit keeps the unit's weights gathered until the forward ends, on every rank
+whether or not it runs the unit later, and a unit that runs after its visit
+gathers (and prefetches) nothing.
+
+``fsdp_double_buffer``'s slots assume module order and are freed as units finish:
+there a first step whose ranks skip different units of such a model can leave one
+rank refusing the schedule (SlotConflictError, naming the remedy) while the others
+wait for it until the collective timeout. Its later steps, and first steps whose
+graphs agree, follow the agreed order like any other.
 """
 
 from __future__ import annotations
 
+import heapq
 from typing import Generic, Iterable, Optional, TypeVar
 
 import torch.distributed as dist
 
 U = TypeVar("U")
+
+
+def merge_orders(sequences: list[list[int]], count: int) -> list[int]:
+    """Unit indices ``0..count-1`` in an order that keeps every sequence's own order
+    (each rank's observed one), ties broken by module order; an index nobody
+    observed follows its predecessor in module order. Sequences that contradict
+    each other (ranks that ran units in different orders) fall back to the first
+    one's ``merge_order``."""
+    seen = {i for sequence in sequences for i in sequence}
+    after: dict[int, set[int]] = {i: set() for i in range(count)}
+    for sequence in sequences:
+        for a, b in zip(sequence, sequence[1:]):
+            after[a].add(b)
+    for i in range(1, count):
+        if i not in seen:
+            after[i - 1].add(i)
+    waiting = {i: 0 for i in range(count)}
+    for targets in after.values():
+        for b in targets:
+            waiting[b] += 1
+    ready = [i for i in range(count) if waiting[i] == 0]
+    heapq.heapify(ready)
+    order: list[int] = []
+    while ready:
+        i = heapq.heappop(ready)
+        order.append(i)
+        for b in after[i]:
+            waiting[b] -= 1
+            if waiting[b] == 0:
+                heapq.heappush(ready, b)
+    return order if len(order) == count else merge_order(sequences[0] if sequences else [], count)
 
 
 def merge_order(observed: list[int], count: int) -> list[int]:
@@ -87,18 +135,21 @@ class UnitSchedule(Generic[U]):
             seen.append(unit)
 
     def agree(self, group: Optional[dist.ProcessGroup]) -> None:
-        """Adopt rank 0's observed orders (collective over ``group``; once)."""
+        """Adopt the merge of every rank's observed orders (collective over ``group``; once)."""
         if self.final:
             return
         self.final = True
         start_index = {unit: i for i, unit in enumerate(self.order)}
         finish_index = {unit: i for i, unit in enumerate(self.finish_order)}
-        message = [[[start_index[u] for u in self._observed[0]], [finish_index[u] for u in self._observed[1]]]]
+        mine = ([start_index[u] for u in self._observed[0]], [finish_index[u] for u in self._observed[1]])
+        observed = [mine]
         if group is not None and dist.get_world_size(group) > 1:
-            dist.broadcast_object_list(message, group=group, group_src=0)
-        starts, finishes = message[0]
-        self.order = [self.order[i] for i in merge_order(starts, len(self.order))]
-        self.finish_order = [self.finish_order[i] for i in merge_order(finishes, len(self.finish_order))]
+            observed = [None] * dist.get_world_size(group)
+            dist.all_gather_object(observed, mine, group=group)
+        starts = merge_orders([o[0] for o in observed], len(self.order))
+        finishes = merge_orders([o[1] for o in observed], len(self.finish_order))
+        self.order = [self.order[i] for i in starts]
+        self.finish_order = [self.finish_order[i] for i in finishes]
         self._observed = ([], [])
 
     def forward_walk(self) -> UnitWalk[U]:
