@@ -85,10 +85,13 @@ def draw_config(index: int) -> dict:
         init=pick(["same", "same", "rank_seeded"]),
         recompute=rng.random() < 0.2,  # the experimental draws' activation checkpointing
     )
-    # HSDP shapes this world allows: outer x shard, with one-rank shard groups at 3 and 5.
-    outer_sizes = [d for d in range(2, cfg["world"] + 1) if cfg["world"] % d == 0]
-    if cfg["outer_size"] not in outer_sizes:
-        cfg["outer_size"] = pick(outer_sizes)
+    # HSDP shapes this world allows: outer x shard (6: 2x3, 3x2, 6x1), with one-rank shard
+    # groups at 3 and 5.
+    if cfg["world"] != 4:
+        cfg["outer_size"] = pick([d for d in range(2, cfg["world"] + 1) if cfg["world"] % d == 0])
+    # HFSDP needs ZeRO-3 inside: refused otherwise, which a few draws keep checking.
+    if cfg["outer"] in (1, "optim") and cfg["strategy"] not in (3, "optim_grads_params") and rng.random() < 0.8:
+        cfg["outer"] = pick([0, "no_shard"])
     return _normalise(cfg)
 
 
@@ -102,8 +105,11 @@ def _normalise(cfg: dict) -> dict:
     if cfg["model"] == "oddnet" and cfg["pattern"] == "rank_skip":
         # Its units run out of module order: fsdp_double_buffer cannot serve a first step
         # whose ranks skip different units (unit_schedule.py [Note: the first forward in
-        # an unknown order]); with the same graph everywhere it refuses the model.
-        cfg["double_buffer"] = False
+        # an unknown order]); with the same graph everywhere it refuses the model. A unit
+        # merged from modules that do not run one after another is entered again on the
+        # ranks that run its later modules only: rank-dependent graphs need units that
+        # run once per forward (README, "rank-dependent graphs").
+        cfg.update(double_buffer=False, suggested=None)
     if cfg["api"] == "engine":
         return cfg
     cfg.update(pattern="plain", per_token=False, meta_init=False, two_forwards=False)
@@ -134,10 +140,13 @@ def _tolerance(cfg) -> float:
         lowest.add("bf16")
     if lowest == {"fp32"}:
         return 1e-5
+    # Per-token losses sum over the ranks: the gradients, the updates and their bf16
+    # rounding grow with the world (calibrated at world 4).
+    scale = max(1.0, cfg["world"] / 4) if cfg["per_token"] else 1.0
     bf16_main = cfg["main_params"] == "auto" and (cfg["compute"] == "bf16" or cfg["model"] == "mixed_dtype")
     if cfg["main_params"] == "bf16" or bf16_main:
-        return 2e-2  # the update itself is rounded to bf16
-    return 3e-3
+        return 2e-2 * scale  # the update itself is rounded to bf16
+    return 3e-3 * scale
 
 
 @pytest.mark.parametrize("index", range(DRAWS))
