@@ -537,6 +537,8 @@ class MegatronFSDP(RefusesCopies, nn.Module):
             # After the whole group is updated: gradient hooks need requires_grad set.
             if group.main_grads is None and any(value for _, value in changed):
                 self._enable_grads(group)
+            elif any(value for _, value in changed):
+                self._runtime.register_grad_hooks(group)  # a frozen group's later-unfrozen parameters
             for compute, value in changed:
                 view = self.grad_reduce_pipeline.grad_view_of(compute)
                 compute.grad = view if value else None

@@ -154,14 +154,15 @@ def loop_inplace_edit(model, opt, step, x, y, ctx):
 
 def loop_freeze_toggle(model, opt, step, x, y, ctx):
     """Step 1: freeze blocks.0 through the optimizer's parameters; step 2: unfreeze it
-    through the module; step 2 also unfreezes blocks.2.fc2 (frozen before wrapping)."""
+    through the module; step 2 also unfreezes blocks.2.fc2.weight, frozen before
+    wrapping, whose bias stays frozen (a group frozen at wrapping, partly unfrozen)."""
     params = dict(model.named_parameters())
     module_params = dict(ctx.module(model).named_parameters())
     if step == 1:
         for name in ("blocks.0.fc1.weight", "blocks.0.fc1.bias"):
             params[name].requires_grad_(False)
     if step == 2:
-        for name in ("blocks.0.fc1.weight", "blocks.0.fc1.bias", "blocks.2.fc2.weight", "blocks.2.fc2.bias"):
+        for name in ("blocks.0.fc1.weight", "blocks.0.fc1.bias", "blocks.2.fc2.weight"):
             module_params[name].requires_grad_(True)
     loop_plain(model, opt, step, x, y, ctx)
 

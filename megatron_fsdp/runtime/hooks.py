@@ -33,6 +33,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.profiler import record_function
 
 from .all_gather_pipeline import AllGatherPipeline
+from ..buffers.allocator import BufferPool
 from ..enums import BackwardMode, BucketStatus, ShardingStrategy, TrainingState
 from .grad_reduce_pipeline import GradReducePipeline
 from .backward_outputs import grad_tensors, refuse_hidden_grad_tensors
@@ -172,8 +173,13 @@ class HookRuntime:
         self._held_skipped: list[FSDPUnit] = []
         """Units visited as skipped and kept gathered until the forward ends
         (unit_schedule.py [Note: the first forward in an unknown order])."""
+        self._hold_skipped = not isinstance(buffer.allocator, BufferPool)
+        """fsdp_double_buffer's slots alternate units in module order: a held unit would
+        keep the slot the next one needs, on the ranks that skipped it only."""
         self._logged_several = False
         self._handles: list[Any] = []
+        self._hooked: set[torch.Tensor] = set()
+        """Compute parameters whose gradient hook is registered."""
 
     # -- registration -------------------------------------------------------------
     def register(self) -> None:
@@ -188,13 +194,19 @@ class HookRuntime:
             self.register_grad_hooks(group)
 
     def register_grad_hooks(self, group: ParameterGroup) -> None:
+        """Each parameter of ``group`` that requires gradients gets its hook, once. A
+        group frozen at wrapping and partly unfrozen later gets the rest when they are
+        (torch refuses hooks on tensors that need no gradient)."""
         for index, param in enumerate(group.params):
-            self._handles.append(param.register_post_accumulate_grad_hook(self._make_grad_hook(group, index)))
+            if param.requires_grad and param not in self._hooked:
+                self._hooked.add(param)
+                self._handles.append(param.register_post_accumulate_grad_hook(self._make_grad_hook(group, index)))
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._hooked.clear()
 
     def _make_pre_forward(self, unit: FSDPUnit):
         def hook(module, args):
@@ -352,7 +364,7 @@ class HookRuntime:
         with record_function(f"megatron_fsdp::unshard_skipped:{unit.name}"):
             self.all_gather.unshard_and_wait(unit.groups)
             self._prefetch(unit, step=1)
-            if not self.schedule.final:  # [Note: the first forward in an unknown order]
+            if not self.schedule.final and self._hold_skipped:  # [Note: the first forward in an unknown order]
                 self._held_skipped.append(unit)
             elif not self._keep_gathered(unit):
                 self.all_gather.reshard(unit.groups)

@@ -30,11 +30,12 @@ visit keeps the unit's weights gathered until the forward ends, on every rank
 whether or not it runs the unit later, and a unit that runs after its visit
 gathers (and prefetches) nothing.
 
-``fsdp_double_buffer``'s slots assume module order and are freed as units finish:
-there a first step whose ranks skip different units of such a model can leave one
-rank refusing the schedule (SlotConflictError, naming the remedy) while the others
-wait for it until the collective timeout. Its later steps, and first steps whose
-graphs agree, follow the agreed order like any other.
+``fsdp_double_buffer``'s slots assume module order and alternate units: a held unit
+would keep the slot the next one needs on the ranks that skipped it only, so there
+skipped units are released at once, as later. A first step whose ranks skip
+different units of a model that runs them out of module order can then leave one
+rank gathering alone until the collective timeout; with the same graph everywhere
+the slots refuse such a model on every rank (SlotConflictError, naming the remedy).
 """
 
 from __future__ import annotations
