@@ -376,8 +376,8 @@ class HookRuntime:
         if unit.state.in_backward:
             return output
         training = torch.is_grad_enabled()
-        # A held unit stays gathered until the forward ends whether or not it ran, so
-        # that every rank holds the same buckets (fsdp_double_buffer's slots).
+        # A held unit stays gathered until the forward ends whether or not it ran: the
+        # same buckets on every rank, released at one point.
         keep = not last or self._keep_gathered(unit) or unit in self._held_skipped
         if last:
             self._finish_forward(unit, training)
