@@ -166,12 +166,7 @@ class MegatronFSDP(RefusesCopies, nn.Module):
         self.calculate_per_token_loss = calculate_per_token_loss
         self.report_nan_in_param_grads = report_nan_in_param_grad
         self.last_nan_report: list[str] = []
-        self._check_supported()
-        check_module(module, self.device, allow_meta=init_model_with_meta_device, wrapper_types=(MegatronFSDP,))
-        te_compat.check_supported(module)  # before any buffer: FP8 parameters cannot be repointed
-        streams.check_torch_for_device(self.device)
-        # [Note: initial state from data-parallel rank 0]: as DDP at construction.
-        sync_initial_state(module, self.dist_index, collectives.as_timeout(self.ddp_config.collective_timeout_s))
+        self._admit(module, allow_meta=init_model_with_meta_device)
         self.module = module
         self._te_hooks = te_compat.prepare_fused_wgrad(module, self.mp_policy.grads_dtype_for)
         WRAPPED[module] = self
@@ -248,6 +243,16 @@ class MegatronFSDP(RefusesCopies, nn.Module):
             self.module, {c: d for g in buffer.groups for c, d in zip(g.params, g.dist_params)}
         )
         self._registered.register_dist()
+
+    def _admit(self, module: nn.Module, *, allow_meta: bool) -> None:
+        """Every refusal before any buffer exists, then the initial state of every rank
+        made data-parallel rank 0's ([Note: initial state from data-parallel rank 0]), as
+        DDP at construction."""
+        self._check_supported()
+        check_module(module, self.device, allow_meta=allow_meta, wrapper_types=(MegatronFSDP,))
+        te_compat.check_supported(module)  # before any buffer: FP8 parameters cannot be repointed
+        streams.check_torch_for_device(self.device)
+        sync_initial_state(module, self.dist_index, collectives.as_timeout(self.ddp_config.collective_timeout_s))
 
     def _check_supported(self) -> None:
         cfg = self.ddp_config

@@ -17,37 +17,18 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Partial, Replicate, Shard
 
 import conftest
 from megatron_fsdp.experimental import (
-    Placements, full_state_dict, fully_shard, fully_shard_context, fully_shard_optimizer, microbatch,
+    full_state_dict, fully_shard, fully_shard_context, fully_shard_optimizer, microbatch,
 )
 from models import Net, loss_fn, make_batches, max_param_diff
+from test_experimental import make_mesh, placements_for
 
 TOL = 1e-5
 STEPS = 3
 LR = 0.1
 FREEZES = ["block1", "norms", "both"]
-
-
-def placements_for(name: str) -> Placements:
-    match name:
-        case "zero3":
-            return Placements(dp_axes=[0], parameter=[Shard(0)], gradient=[Shard(0)], optimizer=[Shard(0)])
-        case "zero2":
-            return Placements(dp_axes=[0], parameter=[Replicate()], gradient=[Shard(0)], optimizer=[Shard(0)])
-        case "hsdp":
-            return Placements(dp_axes=[0, 1], parameter=[Replicate(), Shard(0)], gradient=[Partial("avg"), Shard(0)],
-                              optimizer=[Replicate(), Shard(0)])
-    raise ValueError(name)
-
-
-def make_mesh(world: int, name: str):
-    if name == "hsdp":
-        return init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("outer", "inner"))
-    return init_device_mesh("cpu", (world,))
 
 
 def freeze(model: nn.Module, which: str) -> None:
