@@ -1,9 +1,7 @@
 """[Note: frozen groups in trained modules] The experimental per-module API with
-partly frozen modules: a frozen LayerNorm inside a trained block used to fail in
-backward ("The tensor has a non-zero number of elements, but its data is not
-allocated yet": the norm's full weight was freed once the block's trained weights
-had their gradients, before the norm's backward needed it). Such a module now
-keeps its frozen groups whole until the gradients of its inputs exist.
+partly frozen modules: a frozen LayerNorm inside a trained block needs its full
+weight in backward after the block's trained weights have their gradients, so such
+a module keeps its frozen groups whole until the gradients of its inputs exist.
 
 Each run trains ``Net(d=8)`` sharded blocks-then-root and must equal one process
 with the same parameters frozen (SGD over the trainable parameters only); the last
