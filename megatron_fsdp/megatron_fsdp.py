@@ -32,6 +32,7 @@ from .runtime.wrapped_model_guards import RefusesCopies, guard_module, refuse_mo
 from .runtime.owners import COMPUTE_OWNERS, OWNERS, WRAPPED
 from .optimizer import guard_optimizer_steps
 from .buffers.param_and_grad_buffer import ParamAndGradBuffer
+from .buffers.tensor_parallel import TPKind, check_tensor_parallel, extract_tensor_parallel
 from .runtime.registered_params import RegisteredParams
 from .buffers.units import NO_SHARD_UNIT_SIZE, UnitSpec, merge_units, slot_plan, split_into_parameter_owners
 from .runtime.weight_edits import WeightEdits
@@ -167,6 +168,7 @@ class MegatronFSDP(RefusesCopies, nn.Module):
         self.report_nan_in_param_grads = report_nan_in_param_grad
         self.last_nan_report: list[str] = []
         self._admit(module, allow_meta=init_model_with_meta_device)
+        self._tp_specs = extract_tensor_parallel(module, self.dist_index.tp_mesh)
         self.module = module
         self._te_hooks = te_compat.prepare_fused_wgrad(module, self.mp_policy.grads_dtype_for)
         WRAPPED[module] = self
@@ -240,7 +242,8 @@ class MegatronFSDP(RefusesCopies, nn.Module):
         self.broadcast_buffers = broadcast_buffers
         self._buffers_need_sync = True
         self._registered = RegisteredParams(
-            self.module, {c: d for g in buffer.groups for c, d in zip(g.params, g.dist_params)}
+            self.module, {c: d for g in buffer.groups for c, d in zip(g.params, g.dist_params)},
+            views={p: spec.module_view for p, spec in self._tp_specs.items() if spec.kind is TPKind.DTENSOR},
         )
         self._registered.register_dist()
 
@@ -250,6 +253,7 @@ class MegatronFSDP(RefusesCopies, nn.Module):
         DDP at construction."""
         self._check_supported()
         check_module(module, self.device, allow_meta=allow_meta, wrapper_types=(MegatronFSDP,))
+        check_tensor_parallel(module, self.dist_index.tp_mesh)
         te_compat.check_supported(module)  # before any buffer: FP8 parameters cannot be repointed
         streams.check_torch_for_device(self.device)
         sync_initial_state(module, self.dist_index, collectives.as_timeout(self.ddp_config.collective_timeout_s))
@@ -306,6 +310,7 @@ class MegatronFSDP(RefusesCopies, nn.Module):
             device=self.device,
             disable_bucketing=disable_bucketing,
             bucket_size=cfg.bucket_size,
+            tp_specs=self._tp_specs,
         )
         return specs, buffer
 

@@ -41,6 +41,7 @@ from .layout import BucketLayout
 from ..param_marks import is_expert_param, is_fsdp_no_shard, restore_marks
 from ..mixed_precision import MixedPrecisionPolicy
 from .piece_dtensor import FLAT_START_ATTR, piece_dtensor
+from .tensor_parallel import TPSpec
 from .units import plan_merge
 from .unsynced_grad import unsynced_grad
 
@@ -220,9 +221,13 @@ class ParamAndGradBuffer:
         bucket_size: Optional[int] = None,
         root_merge_limit: Optional[int] = None,
         unit_slots: Optional[dict[int, int]] = None,
+        tp_specs: Optional[Mapping[nn.Parameter, TPSpec]] = None,
     ) -> None:
         """``unit_slots``: pool temporary buckets (``fsdp_double_buffer``), with unit
-        weights in these slots (units.slot_plan); ``None`` allocates them per use."""
+        weights in these slots (units.slot_plan); ``None`` allocates them per use.
+        ``tp_specs``: compute parameter -> its tensor-parallel layout, for every
+        parameter of a tensor-parallel model ([Note: tensor-parallel parameters])."""
+        self.tp_specs: Mapping[nn.Parameter, TPSpec] = tp_specs or {}
         self.strategy = strategy
         self.root_merge_limit = root_merge_limit
         self.bucket_size = bucket_size
@@ -416,7 +421,12 @@ class ParamAndGradBuffer:
             # Replicate DTensors too, as upstream's; PieceDTensor for the autograd refusal
             # (piece_dtensor.py [Note: autograd to distributed parameters]).
             placements = (Replicate(),) * group.dp.mesh.ndim
-        return piece_dtensor(local, group.dp.mesh, placements, shape=like.shape, stride=like.stride())
+        spec = self.tp_specs.get(like)
+        if spec is None:
+            return piece_dtensor(local, group.dp.mesh, placements, shape=like.shape, stride=like.stride())
+        # Over the data-parallel dims and tp: norms count each element once.
+        return piece_dtensor(local, group.dp.mesh_with_tp, spec.with_dp(placements), shape=spec.global_shape,
+                             stride=spec.global_stride)
 
     # -- lookups ----------------------------------------------------------------
     def slot(self, compute_param: nn.Parameter) -> tuple[ParameterGroup, int]:
@@ -424,6 +434,12 @@ class ParamAndGradBuffer:
 
     def dist_slot(self, dist_param: nn.Parameter) -> Optional[tuple[ParameterGroup, int]]:
         return self._dist_slot.get(dist_param)
+
+    def tp_spec(self, param: torch.Tensor) -> Optional[TPSpec]:
+        """The tensor-parallel layout of a compute or distributed parameter (``None``
+        without tensor parallelism, or for anything else)."""
+        slot = self._dist_slot.get(param)
+        return self.tp_specs.get(slot[0].params[slot[1]] if slot is not None else param)
 
     def local_flat_start(self, dist_param: torch.Tensor) -> int:
         """Where this rank's part of a distributed parameter starts in the parameter's flat order."""

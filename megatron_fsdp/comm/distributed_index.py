@@ -107,6 +107,11 @@ class DataParallelGroups:
     scaling_size: int
     """Gradients average over this many replicas (the dense data-parallel size, also
     for expert parameters, as Megatron scales them)."""
+    tp_mesh: Optional[DeviceMesh] = None
+    """The tensor-parallel mesh, when tensor parallelism is in use (buffers/tensor_parallel.py)."""
+    mesh_with_tp: Optional[DeviceMesh] = None
+    """``mesh`` with the tensor-parallel dimension last: the mesh of tensor-parallel
+    parameters' DTensors ([Note: tensor-parallel parameters])."""
 
     @property
     def shard_size(self) -> int:
@@ -138,7 +143,9 @@ class FSDPDistributedIndex:
     """Process groups and sub-meshes used by Megatron-FSDP.
 
     ``dp_shard`` shards parameters/gradients/optimizer state; ``dp_outer`` (HSDP)
-    replicates across shard groups; ``tp`` is tensor parallelism (only carried).
+    replicates across shard groups; ``tp`` is tensor parallelism: the engine shards
+    each rank's TP piece over the data-parallel dimensions only, which therefore must
+    not include ``tp`` ([Note: tensor-parallel parameters]).
     """
 
     def __init__(
@@ -202,11 +209,16 @@ class FSDPDistributedIndex:
     def _make_groups(self, mesh: DeviceMesh) -> DataParallelGroups:
         shard_mesh = mesh[self.dp_shard_dim]
         outer_group = None
-        dtensor_mesh, placements = shard_mesh, (Shard(0),)
+        dtensor_mesh, placements, dims = shard_mesh, (Shard(0),), (self.dp_shard_dim,)
         if self.dp_outer_dim is not None and mesh[self.dp_outer_dim].size() > 1:
             outer_group = mesh[self.dp_outer_dim].get_group()
-            dtensor_mesh = mesh[(self.dp_outer_dim, self.dp_shard_dim)]
+            dims = (self.dp_outer_dim, self.dp_shard_dim)
+            dtensor_mesh = mesh[dims]
             placements = (Shard(0) if self.hsdp_outer_dp_shard else Replicate(), Shard(0))
+        tp_mesh = mesh_with_tp = None
+        if self.tp_dim is not None and has_submesh(mesh, self.tp_dim):
+            tp_mesh = mesh[self.tp_dim]
+            mesh_with_tp = mesh[dims + (self.tp_dim,)]
         return DataParallelGroups(
             shard_group=shard_mesh.get_group(),
             outer_group=outer_group,
@@ -214,6 +226,8 @@ class FSDPDistributedIndex:
             mesh=dtensor_mesh,
             placements=placements,
             scaling_size=self.dp_size,
+            tp_mesh=tp_mesh,
+            mesh_with_tp=mesh_with_tp,
         )
 
     # -- the data-parallel shard group ----------------------------------------
@@ -257,6 +271,15 @@ class FSDPDistributedIndex:
         if self.expt_device_mesh is None or self.dp_outer_dim is None:
             return None
         return self.expt_device_mesh[self.dp_outer_dim].get_group()
+
+    @property
+    def tp_mesh(self) -> Optional[DeviceMesh]:
+        """The tensor-parallel sub-mesh, ``None`` without ``tp_dim``."""
+        return None if self.tp_dim is None else self.device_mesh[self.tp_dim]
+
+    @property
+    def tp_size(self) -> int:
+        return 1 if self.tp_dim is None else self.device_mesh[self.tp_dim].size()
 
     def get_root_mesh(self, is_expert_parallel: bool = False) -> Optional[DeviceMesh]:
         """The mesh this index was built on (the expert mesh for expert parameters)."""
@@ -306,5 +329,5 @@ class FSDPDistributedIndex:
     def __repr__(self) -> str:
         return (
             f"FSDPDistributedIndex(dp_shard={self.dp_shard_dim}:{self.shard_size}, "
-            f"dp_outer={self.dp_outer_dim}:{self.outer_size}, tp={self.tp_dim})"
+            f"dp_outer={self.dp_outer_dim}:{self.outer_size}, tp={self.tp_dim}:{self.tp_size})"
         )

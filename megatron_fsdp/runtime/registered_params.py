@@ -47,7 +47,7 @@ import collections
 import dataclasses
 import functools
 import weakref
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -154,9 +154,17 @@ class RegisteredParams:
     """Swaps every registration of a wrapped module's parameters between the compute
     parameter and its distributed twin."""
 
-    def __init__(self, module: nn.Module, dist_of: dict[nn.Parameter, nn.Parameter]) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        dist_of: dict[nn.Parameter, nn.Parameter],
+        views: Optional[dict[nn.Parameter, Callable[[torch.Tensor], torch.Tensor]]] = None,
+    ) -> None:
         """``dist_of``: compute parameter -> distributed parameter, for every parameter
-        the wrapper manages (all of the module's)."""
+        the wrapper manages (all of the module's). ``views``: compute parameter -> what
+        the module's code reads instead while compute parameters are registered
+        ([Note: module views of compute parameters])."""
+        self._views = views or {}
         self._registrations: list[_Registration] = []
         for sub in module.modules():
             for name, param in sub._parameters.items():
@@ -222,12 +230,39 @@ class RegisteredParams:
             self.check_swappable()  # every check before the first swap: all or nothing
         for r in self._registrations:
             _set_param(r.module, r.name, r.compute)
+        self._install_views()
         self.compute_registered = True
+
+    def _install_views(self) -> None:
+        """[Note: module views of compute parameters] A tensor-parallel model's code reads
+        DTensors over the TP mesh (buffers/tensor_parallel.py [Note: tensor-parallel
+        parameters]) while the engine keeps the plain local compute parameter registered
+        (its gradient is what the engine reduces). An instance attribute shadows
+        ``_parameters`` for ``module.weight``, and ``named_parameters()`` still walks
+        the compute parameter. Made with gradients enabled even when registered at the
+        start of a backward: a recomputed forward (activation checkpointing) reads them
+        and its gradient must reach the compute parameter."""
+        if not self._views:
+            return
+        with torch.enable_grad():
+            made: dict[nn.Parameter, torch.Tensor] = {}
+            for r in self._registrations:
+                make = self._views.get(r.compute)
+                if make is not None:
+                    if r.compute not in made:
+                        made[r.compute] = make(r.compute)  # tied weights read one view
+                    r.module.__dict__[r.name] = made[r.compute]
+
+    def _remove_views(self) -> None:
+        for r in self._registrations:
+            if r.compute in self._views:
+                r.module.__dict__.pop(r.name, None)
 
     @torch.compiler.disable
     def register_dist(self) -> None:
         if not self.compute_registered:
             return
+        self._remove_views()
         for r in self._registrations:
             _set_param(r.module, r.name, r.dist)
         self.compute_registered = False

@@ -22,7 +22,7 @@ def _is_wrapper(module: nn.Module, wrapper_types: tuple) -> bool:
 def check_module(module: nn.Module, device: torch.device, *, allow_meta: bool = False, wrapper_types: tuple = ()) -> None:
     """Refuse, before any buffer exists, what megatron_fsdp cannot wrap: not a
     module, a data-parallel wrapper inside, a model wrapped already, no parameters,
-    parameters on another device or already DTensors, lazy (uninitialised)
+    parameters on another device, lazy (uninitialised)
     parameters. ``wrapper_types``: the caller's own wrapper classes."""
     if not isinstance(module, nn.Module):
         raise TypeError(
@@ -57,8 +57,5 @@ def check_module(module: nn.Module, device: torch.device, *, allow_meta: bool = 
                 f"parameter {name!r} is on {p.device} but megatron_fsdp was given device={device}; "
                 f"move the model first (module.to({str(device)!r})) or pass device={str(p.device)!r}"
             )
-        if isinstance(p, torch.distributed.tensor.DTensor):
-            raise ValueError(
-                f"parameter {name!r} is already a DTensor; the model seems to be sharded already "
-                "(megatron_fsdp cannot wrap a module inside another FSDP wrapper)"
-            )
+        # DTensor parameters: a tensor-parallel model's are admitted, any other refused,
+        # by buffers/tensor_parallel.py's check_tensor_parallel (run before this).

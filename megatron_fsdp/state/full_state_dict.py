@@ -21,6 +21,9 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from torch.distributed.tensor import DTensor
+
+from ..buffers.tensor_parallel import TPSpec
 from .gather import gather_items_to, gather_main_weights
 from .keys import alias_names, extra_states, persistent_buffers, torch_key
 from .sharded_model import ShardedModel
@@ -44,10 +47,11 @@ def gather_full_state_dict(
     full: dict[str, torch.Tensor] = {}
     for group in buffer.groups:
         flat, temporary = gather_main_weights(group, timeout)
-        if keep:
-            for index, (name, param) in enumerate(zip(group.names, group.params)):
-                start, end = group.layout.item_range(index)
-                full[name] = _export(flat[start:end].view(param.shape), dtype, device)
+        for index, (name, param) in enumerate(zip(group.names, group.params)):
+            start, end = group.layout.item_range(index)
+            value = whole_tensor(flat[start:end].view(param.shape), buffer.tp_spec(param))
+            if keep:
+                full[name] = _export(value, dtype, device)
         if temporary:
             del flat  # one group's bucket at a time on the device
     if not keep:
@@ -57,6 +61,16 @@ def gather_full_state_dict(
     for name, value in persistent_buffers(model.module):
         out[torch_key(name)] = _export(value.detach(), None, device)
     return out
+
+
+def whole_tensor(local: torch.Tensor, spec: Optional[TPSpec]) -> torch.Tensor:
+    """A parameter's whole value from this rank's tensor-parallel piece (gathered over
+    the TP ranks: every rank calls it, ``rank0_only`` or not)."""
+    if spec is None or not spec.sharded:
+        return local
+    piece = DTensor.from_local(local, spec.mesh, (spec.placement,), run_check=False,
+                               shape=spec.global_shape, stride=spec.global_stride)
+    return piece.full_tensor()
 
 
 def _export(value: torch.Tensor, dtype: Optional[torch.dtype], device: torch.device) -> torch.Tensor:
@@ -77,6 +91,12 @@ def gather_main_weights_to(
     buffer's parameter names, on global rank ``dst``; ``{}`` on the others. Each rank
     contributes the shard its optimizer owns (``gather_items_to``). Collective: every
     rank calls it (``settle_weights_for_reading`` first)."""
+    if any(spec.sharded for spec in model.param_and_grad_buffer.tp_specs.values()):
+        raise NotImplementedError(
+            "gathering a tensor-parallel model's weights to one rank (Megatron-LM's legacy --ckpt-format torch) "
+            "is not implemented: each tensor-parallel rank holds other pieces. Save a DCP checkpoint "
+            "(--ckpt-format torch_dist / torch_dcp, or save_checkpoint), or export with get_full_state_dict"
+        )
     model.settle_weights_for_reading()
     out: dict[str, torch.Tensor] = {}
     for group in model.param_and_grad_buffer.groups:

@@ -34,6 +34,7 @@ from .gather import gather_main_weights
 from .keys import alias_names, extra_states, persistent_buffers, torch_key
 from .sharded_model import ShardedModel
 from .uneven_dtensor import uneven_dtensor_to_full_tensor
+from ..buffers.tensor_parallel import TPSpec
 
 logger = logging.getLogger(__name__)
 
@@ -101,13 +102,15 @@ def state_dicts_on(device: "torch.device | str") -> Iterator[None]:
         _STATE_DICT_DEVICE.reset(token)
 
 
-def standard_dtensor(group, full: torch.Tensor) -> DTensor:
+def standard_dtensor(group, full: torch.Tensor, spec: Optional[TPSpec] = None) -> DTensor:
     """``full`` (this parameter's unsharded main weights) as a DTensor whose local
     piece is what standard DTensor APIs expect: whole rows split like
     ``torch.chunk`` over the dp-shard mesh dimension (the mesh's last), replicated
     over any outer dimension; ``Replicate()`` everywhere for replicated groups and
     0-d parameters. ``full_tensor()``, ``redistribute`` and DCP need nothing more.
-    See [Note: standard state-dict DTensors]."""
+    See [Note: standard state-dict DTensors]. A tensor-parallel parameter's ``full``
+    is its TP piece: the DTensor spans the data-parallel dims and ``tp``
+    (buffers/tensor_parallel.py [Note: tensor-parallel parameters])."""
     mesh = group.dp.mesh
     if not group.strategy.shards_optimizer or full.dim() == 0:
         piece = full
@@ -118,13 +121,17 @@ def standard_dtensor(group, full: torch.Tensor) -> DTensor:
         start, end = chunk_rows(full.shape[0], world, rank)
         piece = full[start:end]
         placements = (Replicate(),) * (mesh.ndim - 1) + (Shard(0),)
+    shape, stride = full.shape, full.stride()
+    if spec is not None:
+        mesh, placements = group.dp.mesh_with_tp, spec.with_dp(placements)
+        shape, stride = spec.global_shape, spec.global_stride
     # A copy, not a view of the flat bucket: torch.save would otherwise pickle the
     # whole bucket's storage (and cannot read a resizable one).
     device = _STATE_DICT_DEVICE.get()
     if device is None:
-        return DTensor.from_local(piece.clone(), mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
+        return DTensor.from_local(piece.clone(), mesh, placements, run_check=False, shape=shape, stride=stride)
     # from_local would move a host piece to the mesh's device: wrap the view, then copy.
-    view = DTensor.from_local(piece, mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
+    view = DTensor.from_local(piece, mesh, placements, run_check=False, shape=shape, stride=stride)
     return view.to(device, copy=True)
 
 
@@ -152,7 +159,8 @@ def sharded_state_dict(
             flat, _ = gather_main_weights(group, model.all_gather_pipeline.timeout)
             for index, (name, param) in enumerate(zip(group.names, group.params)):
                 start, end = group.layout.item_range(index)
-                values[name] = standard_dtensor(group, flat[start:end].view(param.shape).detach())
+                spec = buffer.tp_spec(param)
+                values[name] = standard_dtensor(group, flat[start:end].view(param.shape).detach(), spec)
     out: "OrderedDict[str, Any]" = OrderedDict()
     for alias, name in alias_names(model).items():
         out[base + alias] = values[name]
@@ -289,7 +297,10 @@ def _local_source(model: ShardedModel, key: str, own: torch.Tensor, value: torch
                 )
             return value.to_local()
         value = full_value(value, own.device if not isinstance(own, DTensor) else own.to_local().device)
-    if not isinstance(own, DTensor) or own.to_local().shape == own.shape:
+    spec = model.param_and_grad_buffer.tp_spec(own)
+    if spec is not None:
+        value = spec.local_of(value)  # this rank's tensor-parallel piece
+    if not isinstance(own, DTensor) or own.to_local().shape == value.shape:
         return value
     local = own.to_local()
     start = model.param_and_grad_buffer.local_flat_start(own)

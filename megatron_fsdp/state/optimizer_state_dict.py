@@ -90,7 +90,7 @@ def standardize_optimizer_state_dict(optimizer: torch.optim.Optimizer, state_dic
         timeout = model.all_gather_pipeline.timeout
         for group in buffer.groups:  # the buffer's order: the same collectives on every rank
             if group in entries:
-                _standardize_group(group, entries[group], states, timeout)
+                _standardize_group(group, entries[group], states, timeout, buffer.tp_spec)
     return state_dict
 
 
@@ -103,9 +103,10 @@ def _plain_dtensor(value: Any) -> Any:
                               shape=value.shape, stride=value.stride())
 
 
-def _standardize_group(group: ParameterGroup, entries: list[tuple[int, int]], states: dict, timeout) -> None:
+def _standardize_group(group: ParameterGroup, entries: list[tuple[int, int]], states: dict, timeout, tp_spec) -> None:
     """Replace the flat state pieces of one sharded group's parameters, one state
-    key at a time (one unsharded flat bucket of the group alive at a time)."""
+    key at a time (one unsharded flat bucket of the group alive at a time).
+    ``tp_spec``: compute parameter -> its tensor-parallel layout or ``None``."""
     keys = sorted({k for i, item in entries for k, v in states[i].items() if _is_piece(v, group.params[item])})
     layout = group.optimizer_layout
     base = group.dp.optimizer_rank * layout.shard_numel
@@ -121,7 +122,9 @@ def _standardize_group(group: ParameterGroup, entries: list[tuple[int, int]], st
         for i, item in entries:
             if _is_piece(states[i].get(key), group.params[item]):
                 start, end = group.layout.item_range(item)
-                states[i][key] = standard_dtensor(group, flat[start:end].view(group.params[item].shape))
+                param = group.params[item]
+                states[i][key] = standard_dtensor(group, flat[start:end].view(param.shape),
+                                                  tp_spec(param))
         del flat, local
 
 
@@ -256,13 +259,16 @@ def _flat_piece(model: ShardedModel, param: DTensor, value: torch.Tensor) -> DTe
     """This rank's part of ``value`` (any DTensor layout or a full tensor of
     ``param``'s shape), cut and wrapped as ``param`` is. Collective for DTensors."""
     local = param.to_local()
-    if local.shape == param.shape:  # replicated: the whole tensor
-        piece = full_value(value, local.device).to(dtype=local.dtype, copy=True)
+    # A plain tensor is cut where it is (host memory, possibly a memory-mapped file)
+    # and only the piece moves; a DTensor is gathered whole first.
+    full = value if not isinstance(value, DTensor) else full_value(value, local.device)
+    spec = model.param_and_grad_buffer.tp_spec(param)
+    if spec is not None:
+        full = spec.local_of(full)  # this rank's tensor-parallel piece
+    if local.shape == full.shape:  # replicated over the data-parallel ranks: the whole tensor
+        piece = full.to(device=local.device, dtype=local.dtype, copy=True)
     else:
         start = model.param_and_grad_buffer.local_flat_start(param)
-        # A plain tensor is cut where it is (host memory, possibly a memory-mapped
-        # file) and only the piece moves; a DTensor is gathered whole first.
-        full = value if not isinstance(value, DTensor) else full_value(value, local.device)
         piece = full.reshape(-1)[start : start + local.numel()].to(device=local.device, dtype=local.dtype, copy=True)
     if isinstance(param, PieceDTensor):  # keep the parameter's type (piece_dtensor.py)
         return piece_dtensor(piece, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
