@@ -32,7 +32,7 @@ from .runtime.wrapped_model_guards import RefusesCopies, guard_module, refuse_mo
 from .runtime.owners import COMPUTE_OWNERS, OWNERS, WRAPPED
 from .optimizer import guard_optimizer_steps
 from .buffers.param_and_grad_buffer import ParamAndGradBuffer
-from .buffers.tensor_parallel import TPKind, check_tensor_parallel, extract_tensor_parallel
+from .buffers.tensor_parallel import TPKind, check_tensor_parallel, extract_tensor_parallel, restore_dtensor_params
 from .runtime.registered_params import RegisteredParams
 from .buffers.units import NO_SHARD_UNIT_SIZE, UnitSpec, merge_units, slot_plan, split_into_parameter_owners
 from .runtime.weight_edits import WeightEdits
@@ -168,7 +168,9 @@ class MegatronFSDP(RefusesCopies, nn.Module):
         self.report_nan_in_param_grads = report_nan_in_param_grad
         self.last_nan_report: list[str] = []
         self._admit(module, allow_meta=init_model_with_meta_device)
-        self._tp_specs = extract_tensor_parallel(module, self.dist_index.tp_mesh)
+        self.replaced_params: dict[int, nn.Parameter] = {}
+        """id(a DTensor parameter of a TP plan) -> the plain parameter that replaced it."""
+        self._tp_specs = extract_tensor_parallel(module, self.dist_index.tp_mesh, self.replaced_params)
         self.module = module
         self._te_hooks = te_compat.prepare_fused_wgrad(module, self.mp_policy.grads_dtype_for)
         WRAPPED[module] = self
@@ -715,6 +717,7 @@ class MegatronFSDP(RefusesCopies, nn.Module):
             self.all_gather_pipeline.reshard([group])
         WRAPPED.pop(self.module)
         release_module(self.module)
+        restore_dtensor_params(self.module, self._tp_specs)
         return self.module
 
     @property

@@ -60,6 +60,8 @@ class SteppedModel(Protocol):
 
     model_auto_sync: bool
     param_and_grad_buffer: Any
+    replaced_params: dict
+    """id(a parameter the wrapped module had) -> the parameter that replaced it at wrapping."""
 
     def check_distributed_params(self) -> None: ...
 
@@ -438,6 +440,8 @@ def rebuild_optimizer(old: torch.optim.Optimizer, module: torch.nn.Module, model
     are passed (``defaults`` also holds derived entries some versions add)."""
     # ``old`` holds the module's original parameters: the compute twins of the distributed ones.
     dist_of = {id(c): d for g in model.param_and_grad_buffer.groups for c, d in zip(g.params, g.dist_params)}
+    # A TP plan's DTensor parameters were replaced by plain twins at wrapping.
+    dist_of.update({key: dist_of[id(twin)] for key, twin in model.replaced_params.items()})
     accepted = _init_keywords(type(old))
     groups = []
     for group in old.param_groups:

@@ -38,7 +38,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-__all__ = ["TPKind", "TPSpec", "check_tensor_parallel", "extract_tensor_parallel", "tp_mesh_matches"]
+__all__ = ["TPKind", "TPSpec", "check_tensor_parallel", "extract_tensor_parallel", "restore_dtensor_params",
+           "tp_mesh_matches"]
 
 
 class TPKind(enum.Enum):
@@ -165,16 +166,19 @@ def check_tensor_parallel(module: nn.Module, tp_mesh: Optional[DeviceMesh]) -> d
 
 
 @torch.no_grad()
-def extract_tensor_parallel(module: nn.Module, tp_mesh: Optional[DeviceMesh]) -> dict[nn.Parameter, TPSpec]:
+def extract_tensor_parallel(
+    module: nn.Module, tp_mesh: Optional[DeviceMesh], replaced: Optional[dict[int, nn.Parameter]] = None
+) -> dict[nn.Parameter, TPSpec]:
     """Replace every DTensor parameter on ``tp_mesh`` by a plain parameter holding its
     local tensor; return plain parameter -> ``TPSpec`` for every parameter when tensor
     parallelism is in use (``tp_mesh`` larger than 1, or DTensor parameters), else
     for none. A DTensor on any other mesh or placement is refused before anything
-    changes."""
+    changes. ``replaced`` receives ``id(DTensor parameter)`` -> its plain twin (an
+    optimizer built on the original parameters is rebuilt through it)."""
     specs = check_tensor_parallel(module, tp_mesh)
     if tp_mesh is None or (tp_mesh.size() == 1 and not specs):
         return {}
-    twins: dict[int, nn.Parameter] = {}
+    twins = replaced if replaced is not None else {}
     for sub in module.modules():
         for name, p in list(sub._parameters.items()):
             if isinstance(p, DTensor):
@@ -185,3 +189,17 @@ def extract_tensor_parallel(module: nn.Module, tp_mesh: Optional[DeviceMesh]) ->
         if p not in result:
             result[p] = _megatron_spec(p, tp_mesh)
     return result
+
+
+@torch.no_grad()
+def restore_dtensor_params(module: nn.Module, specs: dict[nn.Parameter, TPSpec]) -> None:
+    """Undo ``extract_tensor_parallel`` on an unwrapped module: plain TP pieces become
+    DTensor parameters over the TP mesh again (tied ones stay tied)."""
+    made: dict[nn.Parameter, nn.Parameter] = {}
+    for sub in module.modules():
+        for name, p in list(sub._parameters.items()):
+            spec = specs.get(p)
+            if spec is not None and spec.kind is TPKind.DTENSOR:
+                if p not in made:
+                    made[p] = nn.Parameter(spec.module_view(p.detach()), requires_grad=p.requires_grad)
+                sub._parameters[name] = made[p]

@@ -21,6 +21,7 @@ import torch.nn as nn
 
 from ..param_marks import pop_marks, restore_marks
 from ..buffers.param_and_grad_buffer import ParamAndGradBuffer
+from ..buffers.tensor_parallel import TPKind
 from .init_sync import sync_materialized
 
 logger = logging.getLogger(__name__)
@@ -34,10 +35,28 @@ def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _materialize_in_place(param: nn.Parameter, device: torch.device) -> None:
+def _init_shape(param: nn.Parameter, buffer: ParamAndGradBuffer) -> torch.Size:
+    """[Note: meta init of tensor-parallel parameters] A parameter of a PyTorch TP plan
+    is initialised whole, as the unwrapped model would draw it (``nn.Linear`` takes
+    its bound from the whole fan-in, not the TP piece's), and each rank keeps its TP
+    piece: with the same seed on every rank the weights equal the unwrapped model's.
+    Megatron-core's layers initialise their own pieces, as megatron-core does."""
+    spec = buffer.tp_spec(param)
+    return spec.global_shape if spec is not None and spec.kind is TPKind.DTENSOR else param.shape
+
+
+def _tp_piece(param: nn.Parameter, buffer: ParamAndGradBuffer) -> torch.Tensor:
+    """What the buffers keep of a materialised parameter: its TP piece if it was drawn whole."""
+    spec = buffer.tp_spec(param)
+    if spec is not None and spec.kind is TPKind.DTENSOR:
+        return spec.local_of(param.detach())
+    return param.detach()
+
+
+def _materialize_in_place(param: nn.Parameter, device: torch.device, shape: torch.Size) -> None:
     attributes = dict(param.__dict__)
     marked = pop_marks(param)
-    real = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device), requires_grad=param.requires_grad)
+    real = nn.Parameter(torch.empty(shape, dtype=param.dtype, device=device), requires_grad=param.requires_grad)
     torch.utils.swap_tensors(param, real)
     param.__dict__.update(attributes)
     restore_marks(param, marked)
@@ -142,9 +161,9 @@ def _materialize_block(members: dict[str, nn.Module], resets: list, buffer: Para
     # value in the buffers, the one an eager build keeps, stays.
     earlier = [p for p in own if p.device.type != "meta" and p in buffer.param_names]
     for p in earlier:
-        p.data = torch.empty(p.shape, dtype=p.dtype, device=device)
+        p.data = torch.empty(_init_shape(p, buffer), dtype=p.dtype, device=device)
     for p in meta_params:
-        _materialize_in_place(p, device)
+        _materialize_in_place(p, device, _init_shape(p, buffer))
     fresh = {}
     for name, m in members.items():
         meta_buffers = [n for n, b in m._buffers.items() if b is not None and b.device.type == "meta"]
@@ -163,7 +182,7 @@ def _materialize_block(members: dict[str, nn.Module], resets: list, buffer: Para
     sync_materialized(meta_params, new_buffers, buffer.dist_index)
     for p in meta_params:
         group, index = buffer.slot(p)
-        buffer.store_param_value(group, index, p.detach())
+        buffer.store_param_value(group, index, _tp_piece(p, buffer))
     for p in meta_params + earlier:
         buffer.repoint(*buffer.slot(p))
     accounting.on_free(scratch)

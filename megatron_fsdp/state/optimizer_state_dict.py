@@ -107,20 +107,20 @@ def _standardize_group(group: ParameterGroup, entries: list[tuple[int, int]], st
     """Replace the flat state pieces of one sharded group's parameters, one state
     key at a time (one unsharded flat bucket of the group alive at a time).
     ``tp_spec``: compute parameter -> its tensor-parallel layout or ``None``."""
-    keys = sorted({k for i, item in entries for k, v in states[i].items() if _is_piece(v, group.params[item])})
+    keys = sorted({k for i, item in entries for k, v in states[i].items() if _is_piece(v, group.dist_params[item])})
     layout = group.optimizer_layout
     base = group.dp.optimizer_rank * layout.shard_numel
     for key in keys:
-        like = next(states[i][key] for i, item in entries if _is_piece(states[i].get(key), group.params[item]))
+        like = next(states[i][key] for i, item in entries if _is_piece(states[i].get(key), group.dist_params[item]))
         local = torch.zeros(layout.shard_numel, dtype=like.dtype, device=like.to_local().device)
         for i, item in entries:
             value = states[i].get(key)
             start, numel = group.optimizer_piece(item)
-            if _is_piece(value, group.params[item]) and numel:
+            if _is_piece(value, group.dist_params[item]) and numel:
                 local[start - base : start - base + numel].copy_(value.to_local().reshape(-1))
         flat = gather_unsharded(group, local, outer=group.hfsdp, label=f"optimizer_state:{group.label}", timeout=timeout)
         for i, item in entries:
-            if _is_piece(states[i].get(key), group.params[item]):
+            if _is_piece(states[i].get(key), group.dist_params[item]):
                 start, end = group.layout.item_range(item)
                 param = group.params[item]
                 states[i][key] = standard_dtensor(group, flat[start:end].view(param.shape),
@@ -200,24 +200,24 @@ def _gather_group_state(group: ParameterGroup, entries: list[tuple[int, int]], p
     there, ``None`` elsewhere): this rank's pieces laid into its shard of the flat
     bucket, then ``gather_items_to``."""
     keys = sorted({k for i, item in entries for k, v in optimizer.state[params[i]].items()
-                   if _is_piece(v, group.params[item])})
+                   if _is_piece(v, group.dist_params[item])})
     layout = group.optimizer_layout
     base = group.dp.optimizer_rank * layout.shard_numel
     for key in keys:
         like = next(optimizer.state[params[i]][key] for i, item in entries
-                    if _is_piece(optimizer.state[params[i]].get(key), group.params[item]))
+                    if _is_piece(optimizer.state[params[i]].get(key), group.dist_params[item]))
         local = torch.zeros(layout.shard_numel, dtype=like.dtype, device=like.to_local().device)
         for i, item in entries:
             value = optimizer.state[params[i]].get(key)
             start, numel = group.optimizer_piece(item)
-            if _is_piece(value, group.params[item]) and numel:
+            if _is_piece(value, group.dist_params[item]) and numel:
                 local[start - base : start - base + numel].copy_(value.to_local().reshape(-1))
         items = gather_items_to(group, local, **send)
         del local
         if states is None or items is None:
             continue
         for i, item in entries:
-            if _is_piece(optimizer.state[params[i]].get(key), group.params[item]):
+            if _is_piece(optimizer.state[params[i]].get(key), group.dist_params[item]):
                 states[i][key] = items[item].view(group.params[item].shape)
 
 
