@@ -82,7 +82,7 @@ def _compare(wrapped, ref) -> dict:
 
 
 def parity_worker(rank, world, *, layout: Layout, strategy, opt="sgd", sp=False, clip=0.0, entry="fully_shard_model",
-                  tied=False, recompute=False, frozen=False, outer_strategy=0, steps=3, micro=2):
+                  tied=False, recompute="", frozen=False, outer_strategy=0, steps=3, micro=2):
     torch.manual_seed(0)
     ref = TPNet(tied=tied)
     for block in ref.blocks:
@@ -125,9 +125,10 @@ def test_entry_points(pool4, entry):
     _assert_exact(pool4.run(parity_worker, layout=W4, strategy="optim_grads_params", opt="adamw", sp=True, entry=entry))
 
 
-@pytest.mark.parametrize("case", ["tied", "recompute", "frozen"])
+@pytest.mark.parametrize("case", [dict(tied=True), dict(recompute="non-reentrant"), dict(recompute="reentrant"),
+                                  dict(frozen=True)], ids=["tied", "recompute", "recompute-reentrant", "frozen"])
 def test_model_features(pool4, case):
-    _assert_exact(pool4.run(parity_worker, layout=W4, strategy="optim_grads_params", sp=True, **{case: True}))
+    _assert_exact(pool4.run(parity_worker, layout=W4, strategy="optim_grads_params", sp=True, **case))
 
 
 LONG_LAYOUTS = [
@@ -306,3 +307,72 @@ def test_tp_model_without_tp_dim_is_refused(pool4, case):
     for message, still in pool4.run(refusal_worker, case=case):
         assert message is not None and "tp_dim" in message and "DTensor" in message
         assert still == "DTensor"  # nothing changed: the model keeps its DTensor parameters
+
+
+def expert_refusal_worker(rank, world):
+    torch.manual_seed(0)
+    model = TPNet()
+    mesh = W4.mesh()
+    apply_tp_plan(model, mesh["tp"], sp=False)
+    model.blocks[1].w2.weight.allreduce = False  # Megatron's mark of an expert parameter (the plan made a new one)
+    try:
+        mf.fully_shard_model(model, fsdp_unit_modules=[TPBlock], **W4.wrap_kwargs(mesh))
+    except NotImplementedError as exc:
+        return str(exc)
+    return None
+
+
+def test_expert_parameters_with_tp_are_refused(pool4):
+    for message in pool4.run(expert_refusal_worker):
+        assert message is not None and "expert" in message and "tensor-parallel size of 1" in message
+
+
+def other_mesh_worker(rank, world):
+    """A plan on a mesh that is not the wrapper's tp dimension (here: every rank) is refused."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.manual_seed(0)
+    model = apply_tp_plan(TPNet(), init_device_mesh("cpu", (world,)), sp=False)
+    try:
+        mf.fully_shard_model(model, fsdp_unit_modules=[TPBlock], **W4.wrap_kwargs(W4.mesh()))
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_plan_on_another_mesh_is_refused(pool4):
+    for message in pool4.run(other_mesh_worker):
+        assert message is not None and "not the wrapper's tensor-parallel mesh" in message
+
+
+# -- the same torchtitan-style script through PyTorch FSDP2 ------------------------------------
+def fsdp2_worker(rank, world, *, opt, steps=3, micro=2):
+    """TP plan on each block, then per-block sharding over the data-parallel dimension:
+    PyTorch FSDP2 (2-D) and megatron_fsdp train to the same weights."""
+    from torch.distributed.fsdp import fully_shard as fsdp2_shard
+
+    full = {}
+    for engine in ("fsdp2", "megatron_fsdp"):
+        torch.manual_seed(0)
+        model = TPNet()
+        mesh = W4.mesh()
+        apply_tp_plan(model, mesh["tp"], sp=True)
+        if engine == "fsdp2":
+            for block in model.blocks:
+                fsdp2_shard(block, mesh=mesh["dp_shard"])
+            wrapped = fsdp2_shard(model, mesh=mesh["dp_shard"])
+        else:
+            wrapped = mf.fully_shard_model(model, fsdp_unit_modules=[TPBlock], **W4.wrap_kwargs(mesh))
+        optimizer = make_optimizer(opt, wrapped.parameters())
+        _train(wrapped, optimizer, batches(steps, W4.replicas, micro), W4, mesh, micro=micro, clip=0.05,
+               entry=engine)
+        if engine == "fsdp2":
+            full[engine] = {n: p.full_tensor() for n, p in wrapped.named_parameters()}
+        else:
+            full[engine] = mf.get_full_state_dict(wrapped)
+    return max((full["fsdp2"][n] - full["megatron_fsdp"][n]).abs().max().item() for n in full["fsdp2"])
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+def test_same_script_as_fsdp2(pool4, opt):
+    assert max(pool4.run(fsdp2_worker, opt=opt)) < TOL

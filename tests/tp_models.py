@@ -25,14 +25,16 @@ class TPBlock(nn.Module):
         self.w1 = nn.Linear(d, 2 * d)
         self.w3 = nn.Linear(d, 2 * d, bias=False)
         self.w2 = nn.Linear(2 * d, d)
-        self.recompute = False
+        self.recompute: str = ""
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.norm(x)
-        return x + (checkpoint(self._mlp, h, use_reentrant=False) if self.recompute else self._mlp(h))
+        if self.recompute:  # "reentrant" or "non-reentrant" activation checkpointing
+            return x + checkpoint(self._mlp, h, use_reentrant=self.recompute == "reentrant")
+        return x + self._mlp(h)
 
 
 class TPNet(nn.Module):

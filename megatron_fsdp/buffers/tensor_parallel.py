@@ -38,6 +38,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from ..param_marks import is_expert_param
+
 __all__ = ["TPKind", "TPSpec", "check_tensor_parallel", "extract_tensor_parallel", "restore_dtensor_params",
            "tp_mesh_matches"]
 
@@ -160,9 +162,19 @@ def _plain_twin(param: DTensor) -> nn.Parameter:
 
 def check_tensor_parallel(module: nn.Module, tp_mesh: Optional[DeviceMesh]) -> dict[int, TPSpec]:
     """Refuse, changing nothing, a DTensor parameter on any mesh but ``tp_mesh`` or with
-    a placement the engine cannot shard; ``id(parameter)`` -> spec of the DTensor ones."""
-    return {id(p): _dtensor_spec(name, p, tp_mesh) for name, p in module.named_parameters()
-            if isinstance(p, DTensor)}
+    a placement the engine cannot shard, and expert parameters in a tensor-parallel
+    model; ``id(parameter)`` -> spec of the DTensor ones."""
+    specs = {id(p): _dtensor_spec(name, p, tp_mesh) for name, p in module.named_parameters()
+             if isinstance(p, DTensor)}
+    if specs or (tp_mesh is not None and tp_mesh.size() > 1):
+        experts = [name for name, p in module.named_parameters() if is_expert_param(p)]
+        if experts:
+            raise NotImplementedError(
+                f"expert parameters ({experts[0]!r} and {len(experts) - 1} more, marked allreduce=False) in a "
+                "tensor-parallel model: expert parallelism combined with tensor parallelism is not implemented; "
+                "use a tensor-parallel size of 1 for MoE models"
+            )
+    return specs
 
 
 @torch.no_grad()
