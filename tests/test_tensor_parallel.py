@@ -215,13 +215,13 @@ def test_meta_device_init(pool4):
 
 
 # -- checkpoints across layouts ---------------------------------------------------------------
-def _train_few(layout: Layout, tp_plan: bool, steps: int, seed_offset: int = 0):
+def _train_few(layout: Layout, tp_plan: bool, steps: int, seed_offset: int = 0, entry: str = "fully_shard"):
     torch.manual_seed(0)
     model = TPNet()
     mesh = layout.mesh()
     if tp_plan:
         apply_tp_plan(model, mesh["tp"], sp=False)
-    wrapped, optimizer = _wrap("fully_shard", model, layout, mesh, strategy="optim_grads_params", opt="adamw")
+    wrapped, optimizer = _wrap(entry, model, layout, mesh, strategy="optim_grads_params", opt="adamw")
     data = batches(steps, layout.replicas, 1, seed=1 + seed_offset)
     _train(wrapped, optimizer, data, layout, mesh, micro=1, clip=0.0, entry="fully_shard_model")
     return wrapped, optimizer
@@ -237,7 +237,8 @@ def save_worker(rank, world, *, path, layout: Layout):
 def load_worker(rank, world, *, path, layout: Layout):
     """Load the checkpoint into another layout, train one more step; returns the full weights
     before and after that step (the latter compares against the saving layout's continuation)."""
-    wrapped, optimizer = _train_few(layout, layout.tp > 1, steps=0)
+    # A plain optimizer that never stepped (bound at its first step: optimizer.py [Note: plain optimizers]).
+    wrapped, optimizer = _train_few(layout, layout.tp > 1, steps=0, entry="fully_shard_model")
     mf.load_checkpoint(path, wrapped, optimizer)
     loaded = mf.get_full_state_dict(wrapped)
     _one_more_step(wrapped, optimizer, layout)

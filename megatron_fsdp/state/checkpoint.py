@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.utils._pytree import tree_map
 
 from .eager_state import init_optimizer_state
-from .optimizer_state_dict import indexed_params
+from .optimizer_state_dict import indexed_params, standardize_optimizer_state_dict
 from .model_state_dict import StateDictMismatchError, clone_for_load, state_dicts_on
 
 logger = logging.getLogger(__name__)
@@ -266,7 +266,7 @@ def load_checkpoint(
             if any(k.startswith("optimizer.state.") for k in metadata):
                 created = materialize_optimizer_state(optimizer)
             with state_dicts_on("cpu"):
-                state["optimizer"] = tree_map(clone_for_load, optimizer.state_dict())
+                state["optimizer"] = tree_map(clone_for_load, _standard_state_dict(optimizer))
             absent = _prune_absent_optimizer_state(state["optimizer"], metadata)
         dcp.load(state, checkpoint_id=str(path))
     except (Exception, CheckpointException) as exc:
@@ -286,6 +286,18 @@ def load_checkpoint(
         for index in absent:
             optimizer.state.pop(params[index], None)
     return _load_extra_state(path)
+
+
+def _standard_state_dict(optimizer: torch.optim.Optimizer) -> dict:
+    """``optimizer.state_dict()`` in the standard form DCP loads into. A plain optimizer
+    over a wrapped model's parameters that never stepped is not bound yet (optimizer.py
+    [Note: plain optimizers]): its state dict still holds the flat pieces, which name
+    no DTensor layout, so it is standardised here as a bound one's would be. The
+    loaded standard state is flattened again when the first step binds it."""
+    state_dict = optimizer.state_dict()
+    if getattr(optimizer, "megatron_fsdp_binding", None) is None:
+        state_dict = standardize_optimizer_state_dict(optimizer, state_dict)
+    return state_dict
 
 
 def _load_extra_state(path: Path) -> dict:
