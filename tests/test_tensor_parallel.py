@@ -377,3 +377,27 @@ def fsdp2_worker(rank, world, *, opt, steps=3, micro=2):
 @pytest.mark.parametrize("opt", ["sgd", "adamw"])
 def test_same_script_as_fsdp2(pool4, opt):
     assert max(pool4.run(fsdp2_worker, opt=opt)) < TOL
+
+
+# -- initialising after wrapping -----------------------------------------------------------
+def init_after_wrap_worker(rank, world, *, strategy):
+    """``nn.init`` on the sharded parameters draws each whole parameter and keeps this rank's
+    piece of its TP piece: the weights equal the same init of the unwrapped model."""
+    torch.manual_seed(0)
+    ref = TPNet()
+    model = copy.deepcopy(ref)
+    mesh = W4.mesh()
+    apply_tp_plan(model, mesh["tp"], sp=True)
+    wrapped = mf.fully_shard_model(model, fsdp_unit_modules=[TPBlock], zero_dp_strategy=strategy,
+                                   **W4.wrap_kwargs(mesh))
+    for net in (ref, wrapped):
+        torch.manual_seed(5)
+        for p in net.parameters():
+            torch.nn.init.normal_(p, std=0.3)
+    full = mf.get_full_state_dict(wrapped)
+    return max((full[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters())
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim_grads_params"])
+def test_init_after_wrapping(pool4, strategy):
+    assert max(pool4.run(init_after_wrap_worker, strategy=strategy)) == 0.0

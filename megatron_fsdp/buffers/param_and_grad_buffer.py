@@ -40,7 +40,7 @@ from ..enums import ShardingStrategy
 from .layout import BucketLayout
 from ..param_marks import is_expert_param, is_fsdp_no_shard, restore_marks
 from ..mixed_precision import MixedPrecisionPolicy
-from .piece_dtensor import FLAT_START_ATTR, piece_dtensor
+from .piece_dtensor import FLAT_START_ATTR, TP_CUT_ATTR, piece_dtensor
 from .tensor_parallel import TPSpec
 from .units import plan_merge
 from .unsynced_grad import unsynced_grad
@@ -394,10 +394,15 @@ class ParamAndGradBuffer:
             if hasattr(compute, attr):
                 setattr(dist_param, attr, getattr(compute, attr))
         restore_marks(dist_param, is_fsdp_no_shard(compute))
-        if group.strategy.shards_optimizer:
+        spec = self.tp_specs.get(compute)
+        tp_sharded = spec is not None and spec.sharded
+        if group.strategy.shards_optimizer or tp_sharded:
             # Where the piece sits in the whole parameter, for random fills (piece_dtensor.py
-            # [Note: random fills of pieces]).
-            setattr(dist_param, FLAT_START_ATTR, group.local_flat_start(index))
+            # [Note: random fills of pieces]): in its TP piece, if tensor parallel.
+            start = group.local_flat_start(index) if group.strategy.shards_optimizer else 0
+            setattr(dist_param, FLAT_START_ATTR, start)
+            if tp_sharded:
+                setattr(dist_param, TP_CUT_ATTR, (spec.placement.dim, spec.mesh.size(), spec.mesh.get_local_rank()))
         return dist_param
 
     def _optimizer_view(self, group: ParameterGroup, buffer: DataParallelBuffer, index: int) -> torch.Tensor:

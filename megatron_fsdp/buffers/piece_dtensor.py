@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor, Partial, Shard
 
 from . import dtensor_dispatch as dtensor_route
 
-__all__ = ["AUTOGRAD_INPUTS_MESSAGE", "EXTREME_NORMS", "FLAT_START_ATTR", "PieceDTensor", "RANDOM_FILLS",
+__all__ = ["AUTOGRAD_INPUTS_MESSAGE", "EXTREME_NORMS", "FLAT_START_ATTR", "PieceDTensor", "RANDOM_FILLS", "TP_CUT_ATTR",
            "TRUNC_NORMAL_REFUSED", "init_caller", "is_flat_piece", "piece_dtensor", "stand_in_for_empty_locals"]
 
 aten = torch.ops.aten
@@ -113,6 +113,9 @@ RANDOM_FILLS = {
     aten.random_.default, getattr(aten.random_, "from"), aten.random_.to,
 }
 FLAT_START_ATTR = "_megatron_fsdp_flat_start"
+TP_CUT_ATTR = "_megatron_fsdp_tp_cut"
+"""On a tensor-parallel distributed parameter: ``(dim, tp size, tp rank)``, the cut of
+the whole parameter whose flat order ``FLAT_START_ATTR`` counts in (its TP piece)."""
 _ALIASES = {aten.detach.default, aten.alias.default}
 
 _RANDOM_FILL_REFUSED = (
@@ -162,8 +165,12 @@ def _fill_piece_at_random(func, args, kwargs):
     local = piece._local_tensor
     whole = torch.empty(piece.shape, dtype=local.dtype, device=local.device)
     func(whole, *args[1:], **kwargs)
+    cut = getattr(piece, TP_CUT_ATTR, None)
+    if cut is not None:  # the tensor-parallel piece the flat order counts in
+        dim, size, rank = cut
+        whole = torch.chunk(whole, size, dim=dim)[rank].contiguous()
     with torch.no_grad():
-        local.copy_(whole.reshape(-1)[start:start + local.numel()])
+        local.copy_(whole.reshape(-1)[start:start + local.numel()].view_as(local))
     return piece
 
 
@@ -350,8 +357,10 @@ def _rewrap_outputs(out, func, args, kwargs):
         return type(out)(_rewrap_like(o, a) for o, a in zip(out, args[0]))
     if args and isinstance(args[0], PieceDTensor) and isinstance(out, DTensor):
         out = _rewrap_like(out, args[0])  # the common case: a method on a piece
-        if func in _ALIASES and hasattr(args[0], FLAT_START_ATTR):  # ``param.data``
-            setattr(out, FLAT_START_ATTR, getattr(args[0], FLAT_START_ATTR))
+        if func in _ALIASES:  # ``param.data``
+            for attr in (FLAT_START_ATTR, TP_CUT_ATTR):
+                if hasattr(args[0], attr):
+                    setattr(out, attr, getattr(args[0], attr))
         return out
     return _rewrap(out, _piece_specs(args, kwargs))
 
