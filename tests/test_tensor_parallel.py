@@ -401,3 +401,22 @@ def init_after_wrap_worker(rank, world, *, strategy):
 @pytest.mark.parametrize("strategy", ["no_shard", "optim_grads_params"])
 def test_init_after_wrapping(pool4, strategy):
     assert max(pool4.run(init_after_wrap_worker, strategy=strategy)) == 0.0
+
+
+def full_load_worker(rank, world):
+    """Plain full tensors (a pretrained model's weights) load into a TP model: each rank
+    keeps its TP piece's share."""
+    torch.manual_seed(0)
+    model = TPNet()
+    mesh = W4.mesh()
+    apply_tp_plan(model, mesh["tp"], sp=True)
+    wrapped = mf.fully_shard_model(model, fsdp_unit_modules=[TPBlock], **W4.wrap_kwargs(mesh))
+    torch.manual_seed(9)
+    pretrained = TPNet().state_dict()
+    wrapped.load_state_dict(pretrained)
+    full = mf.get_full_state_dict(wrapped)
+    return max((full[n] - v).abs().max().item() for n, v in pretrained.items())
+
+
+def test_full_state_dict_loads_into_tp_model(pool4):
+    assert max(pool4.run(full_load_worker)) == 0.0
