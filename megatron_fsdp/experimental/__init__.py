@@ -18,6 +18,8 @@ Modules, one concern each:
 - ``placement.py``: placements of a ``DBuffer`` along each mesh axis (``Flat``).
 - ``layout.py``: the row-aligned global layout of one ``DBuffer``'s tensors (pure index math).
 - ``dtensor.py``: the DTensors that expose ``DBuffer`` tensors.
+- ``tensor_parallel.py``: modules whose parameters are DTensors of a tensor-parallel plan
+  (``TPParam``: what a parameter's local tensor is a piece of, across the TP ranks).
 - ``optimizer.py``: ``fully_shard_optimizer``'s step hooks.
 - ``checkpoint.py``: checkpoints and full weights of an experimentally sharded model;
   ``dcp_chunks.py`` the DCP chunk metadata of a flat shard.

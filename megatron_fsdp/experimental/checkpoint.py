@@ -5,18 +5,21 @@ Checkpoint (DCP) of the main weights and the optimizer state. A rank's rows of a
 tensor follow the flat layout, not DTensor's even split, so each local shard tells
 DCP its true global extent (``dcp_chunks.py``; the main engine writes standard
 torch.chunk DTensors instead); loads therefore reshard to another
-world size or placement.
+world size, placement or tensor-parallel size (a tensor-parallel rank's local rows
+are a flat range of its TP piece, placed inside the whole tensor).
 
 ``full_state_dict`` gathers the full main weights through the DBuffers (never
 through ``DTensor.full_tensor()``, which is exact on ``FlatDTensor`` parameters but
-gathers one tensor at a time; see [Note: uneven shards] in dbuffer.py).
+gathers one tensor at a time; see [Note: uneven shards] in dbuffer.py), then the
+tensor-parallel pieces over tp.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -51,29 +54,51 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             for group in module.parameter_groups:
                 full = _replicated(group.main_weight)
                 for index, p in enumerate(group.fsdp_parameters):
+                    piece = full.get_local_tensor(index)
+                    whole = piece.clone() if p.tp is None else p.tp.full(piece)  # the TP pieces gathered
                     for fqn in p.fqns:
-                        out[prefix + fqn] = full.get_local_tensor(index).clone()
+                        out[prefix + fqn] = whole
     for name, p in model.named_parameters(remove_duplicate=False):
         if name not in out and not isinstance(p, DTensor):
             out[name] = p.detach().clone()
     return out
 
 
-def _sharded_entries(model: nn.Module) -> dict[int, tuple[str, torch.Tensor, int]]:
-    """id(sharded parameter) -> (name, parameter, where its local rows start in the
-    tensor's flat order). One entry per physical parameter (tied ones once)."""
-    entries: dict[int, tuple[str, torch.Tensor, int]] = {}
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    """Where one physical parameter's local values lie in the whole tensor."""
+
+    name: str
+    parameter: torch.Tensor
+    flat_start: int
+    """Where its local rows start in the flat order of the tensor, or of its TP piece."""
+    piece_shape: Optional[torch.Size] = None
+    """Shape of its tensor-parallel piece (``None``: no tensor parallelism)."""
+    piece_offsets: Optional[tuple[int, ...]] = None
+    """Where that piece starts in the whole tensor."""
+
+    def checkpointable(self, value: torch.Tensor) -> torch.Tensor:
+        return checkpointable(value, self.parameter, self.flat_start, piece_shape=self.piece_shape,
+                              piece_offsets=self.piece_offsets)
+
+
+def _sharded_entries(model: nn.Module) -> dict[int, _Entry]:
+    """id(sharded parameter) -> its ``_Entry``. One per physical parameter (tied ones once)."""
+    entries: dict[int, _Entry] = {}
     for prefix, module in model.named_modules():
         if not isinstance(module, FsdpModule):
             continue
         prefix = f"{prefix}." if prefix else ""
         for group in module.parameter_groups:
+            shapes = group.main_weight.layout.tensor_shapes
             for index, p in enumerate(group.fsdp_parameters):
                 part = group.main_weight._owned(index)
-                entries[id(p.sharded)] = (prefix + p.fqns[0], p.sharded, part.item_start if part else 0)
+                start = part.item_start if part else 0
+                piece = {} if p.tp is None else dict(piece_shape=shapes[index], piece_offsets=p.tp.piece_offsets())
+                entries[id(p.sharded)] = _Entry(prefix + p.fqns[0], p.sharded, start, **piece)
     for name, p in model.named_parameters():
         if id(p) not in entries:
-            entries[id(p)] = (name, p, 0)
+            entries[id(p)] = _Entry(name, p, 0)
     return entries
 
 
@@ -82,15 +107,15 @@ def _dcp_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, 
     shard carrying its true global extent for DCP (dcp_chunks.attach_dcp_chunks)."""
     entries = _sharded_entries(model)
     state: dict[str, Any] = {}
-    for name, p, start in entries.values():
-        state[f"model.{name}"] = checkpointable(p, p, start)
+    for entry in entries.values():
+        state[f"model.{entry.name}"] = entry.checkpointable(entry.parameter)
     for p, values in optimizer.state.items():
-        name, like, start = entries[id(p)]
+        entry = entries[id(p)]
         for key, value in values.items():
-            if isinstance(value, DTensor) and value.shape == like.shape:
-                state[f"optimizer.{name}.{key}"] = checkpointable(value, like, start)
+            if isinstance(value, DTensor) and value.shape == entry.parameter.shape:
+                state[f"optimizer.{entry.name}.{key}"] = entry.checkpointable(value)
             elif torch.is_tensor(value):
-                state[f"optimizer.{name}.{key}"] = value  # e.g. AdamW's step: the same on every rank
+                state[f"optimizer.{entry.name}.{key}"] = value  # e.g. AdamW's step: the same on every rank
     return state
 
 

@@ -334,6 +334,14 @@ class DBuffer:
     def _owned(self, index: int):
         return self.layout.overlap(index, self.offset, self.local_buffer.numel())
 
+    def local_rows(self, index: int) -> tuple[int, int]:
+        """(first row, number of rows) of tensor ``index`` held here."""
+        part = self._owned(index)
+        if part is None:
+            return 0, 0
+        row = non_leading_numel(self.layout.tensor_shapes[index])
+        return part.item_start // row, part.numel // row
+
     def get_local_tensor(self, index: int) -> torch.Tensor:
         """This rank's rows of tensor ``index`` as a view of the local buffer."""
         shape = self.layout.tensor_shapes[index]

@@ -18,7 +18,21 @@ tensors have, around each op:
   rows in place) goes through ``Replicate``;
 * in-place ops advance the local tensors' version counters (DTensor's do not),
   which is how stale compute weights are noticed;
-* pickling writes this rank's rows, not the whole flat buffer they are a view of.
+* pickling writes this rank's rows, not the whole flat buffer they are a view of;
+* ``redistribute`` of rows nested on several axes that can be gathered (a
+  tensor-parallel weight) gathers them first, see [Note: gathering nested rows].
+
+[Note: gathering nested rows] A weight that tensor parallelism splits by rows and
+the data-parallel ranks split again (rows of each tensor-parallel piece) is laid
+out tp-first, which torch's left-to-right ``Shard`` composition cannot describe
+(FSDP2 uses ``_StridedShard``, which assumes torch.chunk's even rows; the flat
+layout's are not). Each rank's ``Flat(nested=...)`` records its own rows instead,
+and these rows are disjoint across the ranks of every nested axis. So the whole
+tensor is a sum: each rank writes its rows into zeros and an all-reduce over each
+nested axis in turn fills in the rest. Adding zeros is exact (only a ``-0.0``
+element reads back as ``0.0``). One collective of the whole tensor per axis: this
+serves ``full_tensor()`` and state dicts, not training, which gathers through the
+DBuffers.
 
 [Note: Flat specs] torch requires a ``Shard`` subclass to compare equal to the
 plain ``Shard`` of its dim (DTensorSpec checks its shard order that way), so a
@@ -37,6 +51,7 @@ import sys
 from collections.abc import Sequence
 
 import torch
+import torch.distributed._functional_collectives as funcol
 from torch.distributed import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
@@ -50,7 +65,7 @@ from ..buffers.piece_dtensor import (
 )
 from .placement import Flat
 
-__all__ = ["FlatDTensor", "FlatSpec", "flat_dtensor"]
+__all__ = ["FlatDTensor", "FlatSpec", "flat_dtensor", "gather_nested_rows"]
 
 aten = torch.ops.aten
 _MEAN = {aten.mean.default, aten.mean.dim}
@@ -87,8 +102,8 @@ def _guard(func, types, args, kwargs, base):
     if func in EXTREME_NORMS:  # an inf norm over ranks holding no rows
         args, kwargs = stand_in_for_empty_locals(func, args, kwargs, FlatDTensor)
     flats = _flat_axes((args, kwargs))
-    if func in RANDOM_FILLS and flats and isinstance(args[0], DTensor):
-        return _fill_rows_at_random(func, args, kwargs)
+    if func in RANDOM_FILLS and isinstance(args[0], DTensor) and any(isinstance(p, Shard) for p in args[0].placements):
+        return _fill_rows_at_random(func, args, kwargs)  # Flat rows, or a tensor-parallel piece
     if func in _MEAN:
         return _exact_mean(args, kwargs, types, base)
     _refuse_before(func, args, flats)
@@ -126,6 +141,11 @@ class FlatDTensor(DTensor):
 
     def redistribute(self, device_mesh=None, placements=None, *, async_op=False, **kwargs):  # type: ignore[override]
         placements = tuple(placements) if placements is not None else None
+        if placements is not None and placements != self.placements and any(_gatherable(p) for p in self.placements):
+            if device_mesh is not None and device_mesh != self.device_mesh:
+                raise ValueError(f"redistribute to mesh {device_mesh}: this DTensor lives on {self.device_mesh}")
+            gathered = gather_nested_rows(self)
+            return gathered.redistribute(device_mesh, placements, async_op=async_op, **kwargs)
         if placements is not None and any(
             type(new) is Shard and isinstance(old, Flat) for old, new in zip(self.placements, placements)
         ):
@@ -138,6 +158,26 @@ class FlatDTensor(DTensor):
         # Still Flat on some axis: keep it a FlatDTensor ([Note: Flat specs]).
         spec = _flat_spec(out._spec)
         return out if spec is out._spec else FlatDTensor(out._local_tensor, spec, requires_grad=out.requires_grad)
+
+
+def _gatherable(p: Placement) -> bool:
+    return isinstance(p, Flat) and p.nested is not None and p.nested.gatherable
+
+
+def gather_nested_rows(t: DTensor) -> DTensor:
+    """``t`` with ``Replicate`` on its gatherable nested axes (see [Note: gathering
+    nested rows]); a plain DTensor when no ``Flat`` is left. Not differentiable."""
+    axes = [axis for axis, p in enumerate(t.placements) if _gatherable(p)]
+    rows = t.placements[axes[0]].nested
+    local = t._local_tensor.detach()
+    whole = local.new_zeros((rows.total, *local.shape[1:]))
+    whole.narrow(0, rows.offset, rows.local_rows).copy_(local)
+    for axis in axes:
+        whole = funcol.wait_tensor(funcol.all_reduce(whole, "sum", (t.device_mesh, axis)))
+    placements = tuple(Replicate() if axis in axes else p for axis, p in enumerate(t.placements))
+    plain = DTensor.from_local(whole, t.device_mesh, placements, run_check=False, shape=t.shape, stride=t.stride())
+    spec = _flat_spec(plain._spec)
+    return plain if spec is plain._spec else FlatDTensor(plain._local_tensor, spec, requires_grad=False)
 
 
 def flat_dtensor(
@@ -289,39 +329,48 @@ def _fill_rows_at_random(func, args, kwargs):
     with the same seed everywhere every rank drew the same numbers and the weight's
     row blocks came out as copies of each other. Draw the whole tensor instead, as the
     unsharded module would (same RNG stream and consumption), and keep this rank's
-    rows: equal to the unsharded init when every rank has the same RNG state
-    (piece_dtensor.py [Note: random fills of pieces] does the same for the main engine)."""
+    rows (and tensor-parallel piece): equal to the unsharded init when every rank has
+    the same RNG state (piece_dtensor.py [Note: random fills of pieces] does the same
+    for the main engine)."""
     if init_caller(sys._getframe(1)) == "_no_grad_trunc_normal_":
         raise NotImplementedError(TRUNC_NORMAL_REFUSED)  # its redraw loop reads the whole tensor
     t = args[0]
-    offset = _row_offset(t)
-    if offset is None:
+    offsets = _local_offsets(t)
+    if offsets is None:
         raise NotImplementedError(
             f"{func} on a DTensor placed {t.placements}: random fills are drawn whole and split by Flat rows "
-            "here, and this placement has other splits; fill its full tensor and distribute it instead"
+            "and tensor-parallel pieces here, and this placement has other splits; fill its full tensor and "
+            "distribute it instead"
         )
     local = t._local_tensor
     whole = torch.empty(t.shape, dtype=local.dtype, device=local.device)
     func(whole, *args[1:], **kwargs)
+    box = tuple(slice(start, start + size) for start, size in zip(offsets, local.shape))
     with torch.no_grad():
-        local.copy_(whole[offset:offset + local.size(0)])  # advances the version (stale compute weights)
+        local.copy_(whole[box])  # advances the version (stale compute weights)
     return t
 
 
-def _row_offset(t: DTensor):
-    """Index of this rank's first dim-0 row in the whole tensor (``None``: a split
-    other than Flat rows and replication)."""
-    offset = 0
+def _local_offsets(t: DTensor):
+    """Where this rank's local tensor starts in the whole tensor, per dim (``None``: a
+    split other than Flat rows, a plain ``Shard`` of another dim, and replication)."""
+    offsets = [0] * t.dim()
     for axis, p in enumerate(t.placements):
+        rank = t.device_mesh.get_local_rank(axis)
         if isinstance(p, Flat):
             if p.nested is not None:
-                return p.nested.offset
-            if p.rows is None:
+                offsets[0] = p.nested.offset  # the whole tensor's row: every row split at once
+            elif p.rows is None:
                 return None
-            offset += sum(p.rows[:t.device_mesh.get_local_rank(axis)])
+            else:
+                offsets[0] += sum(p.rows[:rank])
+        elif type(p) is Shard and not (p.dim == 0 and any(isinstance(q, Flat) for q in t.placements)):
+            # A tensor-parallel piece (torch.chunk's split) of a dim no Flat splits.
+            chunk = -(-t.shape[p.dim] // t.device_mesh.size(axis))
+            offsets[p.dim] += min(rank * chunk, t.shape[p.dim])
         elif not isinstance(p, Replicate):
             return None
-    return offset
+    return offsets
 
 
 def _exact_mean(args, kwargs, types, base):

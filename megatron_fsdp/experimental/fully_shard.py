@@ -10,6 +10,18 @@ Usage, bottom-up like FSDP2::
         fully_shard(model, mesh=mesh, placements=placements)
     optimizer = torch.optim.AdamW(model.parameters(), ...)
     fully_shard_optimizer(optimizer)
+
+With tensor parallelism, as FSDP2: one mesh, the TP plan on its ``tp`` part, the
+data-parallel part to ``fully_shard`` (tensor_parallel.py [Note: tensor-parallel
+modules])::
+
+    mesh = init_device_mesh("cuda", (dp, tp), mesh_dim_names=("dp", "tp"))
+    for block in model.blocks:
+        parallelize_module(block, mesh["tp"], plan)
+    with fully_shard_context():
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh["dp"], placements=placements)
+        fully_shard(model, mesh=mesh["dp"], placements=placements)
 """
 
 from __future__ import annotations
@@ -116,7 +128,12 @@ def fully_shard(
     ``model = fully_shard(model, ...)`` and a bare ``fully_shard(block, ...)``).
 
     Args:
-        mesh: device mesh whose axes are the data-parallel axes.
+        mesh: device mesh whose axes are the data-parallel axes. For a module whose
+            parameters are DTensors of a tensor-parallel plan, the data-parallel part
+            of the mesh the plan's ``tp`` mesh was taken from (``mesh["dp"]``, or
+            ``mesh["dp_outer", "dp_shard"]`` for HSDP): the TP-local tensors are sharded,
+            gathered and reduced over it, and the sharded parameters are DTensors over
+            its axes and tp.
         placements: see ``Placements``.
         mixed_precision_policy: default fp32 main weights, main gradients in the
             parameter dtype (build the model in bf16 for bf16 compute).

@@ -44,6 +44,7 @@ from ..mixed_precision import MixedPrecisionPolicy
 from ..runtime.backward_outputs import grad_tensors, refuse_hidden_grad_tensors
 from .parameter_group import FsdpParameterGroup, PendingReduction, get_containing_parameter_group, owns_parameter
 from .placement import specialize_placements
+from .tensor_parallel import find_tensor_parallel, local_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -182,9 +183,12 @@ class FsdpModule(RefusesCopies):
         self._num_ready = 0
         self._open_range: Optional[object] = None
         """The profiler range of the phase in progress (see [Note: phase ranges])."""
+        owned = _owned_parameters(cast(nn.Module, self))
+        # tensor_parallel.py [Note: tensor-parallel modules]; refuses before anything changes.
+        tensor_parallel = find_tensor_parallel(owned.items(), mesh)
         _sync_owned_state(cast(nn.Module, self), mesh)
         groups = []
-        for key, params in _group_parameters(_owned_parameters(cast(nn.Module, self))).items():
+        for key, params in _group_parameters(owned).items():
             groups.append(
                 FsdpParameterGroup(
                     cast(nn.Module, self),
@@ -198,6 +202,7 @@ class FsdpModule(RefusesCopies):
                     device=context.device,
                     allocator=context.allocator,
                     name=f"?:{key[0]}",
+                    tensor_parallel=tensor_parallel,
                 )
             )
         self._parameter_groups = tuple(groups)
@@ -513,9 +518,10 @@ def _owned_buffers(root: nn.Module) -> list[torch.Tensor]:
 def _sync_owned_state(root: nn.Module, mesh: DeviceMesh) -> None:
     """[Note: initial state from data-parallel rank 0] (runtime/init_sync.py): the
     parameters and buffers this call shards start from the mesh's first rank, along
-    every axis (all of them are data-parallel axes). Meta tensors are initialised
-    after sharding, on their shards."""
-    tensors = list(dict.fromkeys(_owned_parameters(root).values())) + _owned_buffers(root)
+    every axis (all of them are data-parallel axes; a tensor-parallel parameter's local
+    piece is the same piece there). Meta tensors are initialised after sharding, on their shards."""
+    params = [local_tensor(p) for p in dict.fromkeys(_owned_parameters(root).values())]
+    tensors = params + _owned_buffers(root)
     groups = [mesh.get_group(axis) for axis in range(mesh.ndim)]
     broadcast_from_first([t for t in tensors if not t.is_meta], groups, label="initial_state")
 

@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 from torch import nn
 from torch.distributed import DeviceMesh
-from torch.distributed.tensor import Partial, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor.placement_types import Placement
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -34,6 +34,7 @@ from ..mixed_precision import MixedPrecisionPolicy
 from ..runtime.registered_params import data_assignment_message, share_grad_hooks, wrapper_address
 from .dbuffer import DBuffer
 from .placement import changed_mesh_axis
+from .tensor_parallel import TPParam, bind_local, local_tensor
 
 # Parameter (sharded or unsharded) -> the group owning it. Weak on both sides, so
 # neither a parameter nor a group is kept alive by this table; keyed by identity
@@ -73,6 +74,15 @@ class FsdpParameter:
     sharded_address: Optional[int] = None
     """``wrapper_address(sharded)`` at sharding: a ``.data =`` assignment moves it
     (registered_params.py [Note: data assignment])."""
+    tp: Optional[TPParam] = None
+    """Set in a tensor-parallel module (tensor_parallel.py [Note: tensor-parallel
+    modules]): the buffers hold the TP-local tensor, and this says what it is a piece of."""
+
+
+def _dtensor(tp: Optional[TPParam], buffer: DBuffer, index: int) -> torch.Tensor:
+    """Tensor ``index`` of ``buffer`` as the DTensor users see (over the data-parallel
+    axes, and tp in a tensor-parallel module)."""
+    return buffer.get_dtensor(index) if tp is None else tp.sharded_dtensor(buffer, index)
 
 
 class FsdpParameterGroup:
@@ -92,7 +102,9 @@ class FsdpParameterGroup:
         device: torch.device,
         allocator: StorageResizeAllocator,
         name: str,
+        tensor_parallel: Optional[dict[nn.Parameter, TPParam]] = None,
     ) -> None:
+        """``tensor_parallel``: the ``TPParam`` of each parameter in a tensor-parallel module."""
         if not parameters:
             raise ValueError("FsdpParameterGroup needs at least one parameter")
         fqns_of: dict[nn.Parameter, list[str]] = {}
@@ -106,11 +118,12 @@ class FsdpParameterGroup:
         self._main_grad_placements = main_grad_placements
         self._allocator = allocator
         accounting = allocator.accounting
-        shapes = [p.shape for p in fqns_of]
+        locals_ = [local_tensor(p).detach() for p in fqns_of]
+        shapes = [t.shape for t in locals_]
 
         main_dtype = mixed_precision_policy.main_params_dtype or self.dtype
         self.main_weight = DBuffer.distribute_tensors(
-            [p.detach().to(main_dtype) for p in fqns_of], mesh, main_weight_placements, device=device, name=name
+            [t.to(main_dtype) for t in locals_], mesh, main_weight_placements, device=device, name=name
         )
         # model_weight rests in the optimizer's placements and is redistributed to the
         # parameter placements at the first unshard after each refresh (ZeRO-1/2 gather once).
@@ -127,7 +140,7 @@ class FsdpParameterGroup:
             grad_dtype = mixed_precision_policy.grads_dtype_for(self.dtype)
             self.main_grad = DBuffer(mesh, main_grad_placements, shapes, grad_dtype, device, name=name)
             accounting.add_persistent("main_grads", _nbytes(self.main_grad))
-        self.fsdp_parameters = tuple(self._make_parameters(fqns_of))
+        self.fsdp_parameters = tuple(self._make_parameters(fqns_of, tensor_parallel or {}))
         self._synced_version = self._main_version()
         self._bind_unsharded(self._unsharded_model_weight)
         self.reshard_parameters()
@@ -135,24 +148,29 @@ class FsdpParameterGroup:
         # Counted from here on: every reallocation is a temporary full-weight buffer.
         self._unsharded_model_weight.allocator = allocator
 
-    def _make_parameters(self, fqns_of: dict[nn.Parameter, list[str]]) -> list[FsdpParameter]:
+    def _make_parameters(
+        self, fqns_of: dict[nn.Parameter, list[str]], tensor_parallel: dict[nn.Parameter, TPParam]
+    ) -> list[FsdpParameter]:
         out = []
         grad_dtype = self.main_grad.dtype if self.main_grad is not None else None
         for index, (parameter, fqns) in enumerate(fqns_of.items()):
+            tp = tensor_parallel.get(parameter)
             view = self._unsharded_model_weight.get_local_tensor(index)
-            if parameter.is_meta:
-                # A meta tensor's data cannot be pointed at real storage; swap in a real
-                # Parameter keeping the object's identity (and attributes, hooks).
-                torch.utils.swap_tensors(parameter, nn.Parameter(view, requires_grad=parameter.requires_grad))
+            if parameter.is_meta or (isinstance(parameter, DTensor) and parameter.device != view.device):
+                # A meta tensor's data cannot be pointed at real storage, nor a DTensor at
+                # another device; swap in a new Parameter keeping the object's identity
+                # (and attributes, hooks).
+                value = view if tp is None else tp.module_view(view)
+                torch.utils.swap_tensors(parameter, nn.Parameter(value, requires_grad=parameter.requires_grad))
             parameter.grad = None
-            sharded = nn.Parameter(self.main_weight.get_dtensor(index), requires_grad=parameter.requires_grad)
+            sharded = nn.Parameter(_dtensor(tp, self.main_weight, index), requires_grad=parameter.requires_grad)
             share_grad_hooks(parameter, sharded)  # sharded.register_hook runs on the local gradient
             if grad_dtype is not None:
                 # The optimizer sees main-dtype weights with main-grad-dtype gradients.
                 sharded.grad_dtype = grad_dtype
             _OWNER[parameter] = _OWNER[sharded] = weakref.ref(self)
             out.append(FsdpParameter(fqns=tuple(fqns), sharded=sharded, unsharded=parameter,
-                                     sharded_address=wrapper_address(sharded)))
+                                     sharded_address=wrapper_address(sharded), tp=tp))
         return out
 
     def rename(self, name: str) -> None:
@@ -174,7 +192,7 @@ class FsdpParameterGroup:
 
     def _bind_unsharded(self, unsharded: DBuffer) -> None:
         for index, fsdp_parameter in enumerate(self.fsdp_parameters):
-            fsdp_parameter.unsharded.data = unsharded.get_local_tensor(index)
+            bind_local(fsdp_parameter.unsharded, unsharded.get_local_tensor(index))
 
     def reshard_parameters(self) -> None:
         """Install the sharded DTensor parameters on the modules."""
@@ -271,14 +289,16 @@ class FsdpParameterGroup:
                 "unused parameters inside a sharded module are not supported: remove them, freeze them "
                 "(requires_grad=False) before fully_shard, or shard them in a module of their own"
             )
+        # A tensor-parallel gradient in its parameter's TP placement (summed over tp if Partial).
+        grads = [g if p.tp is None else p.tp.local_grad(g) for p, g in zip(self.fsdp_parameters, grads)]
         dtype = self.main_grad.dtype if self.main_grad is not None else grads[0].dtype
         partial = DBuffer(
             self.mesh, (Partial("avg"),) * self.mesh.ndim, [g.shape for g in grads], dtype, grads[0].device,
             name=self.name,
         )
         self._allocator.accounting.on_alloc(_nbytes(partial))
-        for index, p in enumerate(self.fsdp_parameters):
-            partial.get_local_tensor(index).copy_(p.unsharded.grad)
+        for index, (p, grad) in enumerate(zip(self.fsdp_parameters, grads)):
+            partial.get_local_tensor(index).copy_(grad)
             p.unsharded.grad = None
         return partial
 
@@ -331,7 +351,7 @@ class FsdpParameterGroup:
         if is_last_microbatch and self.main_grad.placements != self.main_weight.placements:
             self.main_grad = self.main_grad.redistribute(self.main_weight.placements)
         for index, p in enumerate(self.fsdp_parameters):
-            p.sharded.grad = self.main_grad.get_dtensor(index)
+            p.sharded.grad = _dtensor(p.tp, self.main_grad, index)
         if is_last_microbatch:
             for p in self.fsdp_parameters:
                 # As FSDP2: a post-accumulate-grad hook on a sharded parameter runs once its

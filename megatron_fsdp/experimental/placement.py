@@ -81,6 +81,12 @@ class Flat(Shard):
 
     # -- what DTensor's redistribution calls (torch/distributed/tensor/placement_types.py) --
     def _checked_rows(self, num_chunks: int, dim_size: Optional[int] = None) -> tuple[int, ...]:
+        if self.nested and self.nested.gatherable:
+            raise NotImplementedError(
+                "this DTensor is sharded by rows on several mesh axes (a tensor-parallel weight: data-parallel "
+                "rows of each tensor-parallel piece), which no torch placement describes; FlatDTensor.redistribute "
+                "and full_tensor() gather it, other DTensor redistributions cannot. Take p.full_tensor() first"
+            )
         if self.nested:
             raise NotImplementedError(
                 "this DTensor is sharded by rows on several mesh axes (e.g. HFSDP optimizer placements), "
@@ -164,6 +170,12 @@ class NestedRows:
     """Index of this rank's first row in the whole tensor."""
     outermost: bool
     """Whether this is the first Flat axis in mesh order."""
+    gatherable: bool = False
+    """Every rank's rows are its own, disjoint from those of the other ranks along
+    each nested axis, so ``FlatDTensor.redistribute`` gathers them itself (dtensor.py
+    [Note: gathering nested rows]). Set on the DTensors of tensor-parallel modules
+    (tensor_parallel.py). The same gather would serve HFSDP's nested placements
+    elsewhere; they keep refusing, as test_experimental_dtensor pins."""
 
 
 def _make_flat(rows: Optional[tuple[int, ...]], nested: Optional[NestedRows]) -> Flat:
