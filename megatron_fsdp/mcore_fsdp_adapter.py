@@ -13,6 +13,14 @@ It accepts Megatron-core's ``DistributedDataParallelConfig`` as well as ours
 (``convert_ddp_config``) and its ``ProcessGroupCollection``; megatron-core itself
 is optional: with a plain PyTorch model and our config it is never imported.
 
+Megatron-core's tensor-parallel layers (``ColumnParallelLinear``,
+``RowParallelLinear``, ``VocabParallelEmbedding``...) are sharded over the
+data-parallel ranks of their TP piece: the engine's mesh gets a ``tp`` dimension
+holding Megatron-core's TP group ([Note: the mesh of Megatron-core's groups]);
+gradients its layers leave partial over the TP ranks are completed once, whether
+the loop calls ``finish_grad_sync`` or megatron-core's ``finalize_model_grads``
+(compat/megatron_core.py [Note: tensor-parallel partial gradients]).
+
 After ``finish_grad_sync()`` the reduced gradients sit in ``.grad`` of
 ``parameters()`` (the distributed main weights), where a plain torch optimizer
 reads them; after its ``step()`` call ``install_optimized_model_weights()``, or
@@ -105,20 +113,27 @@ def _ignored_fields(cfg: Any) -> dict[str, Any]:
 
 
 # -- process groups ------------------------------------------------------------------------
+_SHARD_DIM, _OUTER_DIM, _TP_DIM = "dp_cp", "outer_fsdp_dp", "tp"
+
+
 @dataclasses.dataclass(frozen=True)
-class _DataParallelGroups:
-    """The groups FSDP needs: shard over ``shard``; with HSDP replicate over ``outer``."""
+class _ParallelGroups:
+    """The groups FSDP needs: shard over ``shard``; with HSDP replicate over ``outer``;
+    tensor parallelism over ``tp``."""
 
     shard: dist.ProcessGroup
     outer: Optional[dist.ProcessGroup] = None
     hybrid: Optional[dist.ProcessGroup] = None
     """All data-parallel ranks (shard x outer) under HSDP."""
-    tp_size: int = 1
+    tp: Optional[dist.ProcessGroup] = None
+
+    @property
+    def tp_size(self) -> int:
+        return 1 if self.tp is None else dist.get_world_size(self.tp)
 
 
-def _groups_from_collection(pg_collection: Any, hsdp: bool) -> _DataParallelGroups:
+def _groups_from_collection(pg_collection: Any, hsdp: bool) -> _ParallelGroups:
     tp = getattr(pg_collection, "tp", None)
-    tp_size = dist.get_world_size(tp) if tp is not None else 1
     if hsdp:
         names = ("intra_dp_cp", "inter_dist_opt", "dp_cp")
         missing = [n for n in names if getattr(pg_collection, n, None) is None]
@@ -127,24 +142,22 @@ def _groups_from_collection(pg_collection: Any, hsdp: bool) -> _DataParallelGrou
                 f"pg_collection lacks {missing}, which num_distributed_optimizer_instances > 1 (HSDP) needs: "
                 "intra_dp_cp (shard group), inter_dist_opt (replica group) and dp_cp (all of them)"
             )
-        return _DataParallelGroups(
-            pg_collection.intra_dp_cp, pg_collection.inter_dist_opt, pg_collection.dp_cp, tp_size
-        )
+        return _ParallelGroups(pg_collection.intra_dp_cp, pg_collection.inter_dist_opt, pg_collection.dp_cp, tp)
     shard = getattr(pg_collection, "dp_cp", None)
     if shard is None:
         shard = getattr(pg_collection, "dp", None)
     if shard is None:
         raise ValueError("pg_collection has neither a dp_cp nor a dp group; set pg_collection.dp_cp to the data-parallel group")
-    return _DataParallelGroups(shard, tp_size=tp_size)
+    return _ParallelGroups(shard, tp=tp)
 
 
-def _groups_from_parallel_state(hsdp: bool) -> Optional[_DataParallelGroups]:
+def _groups_from_parallel_state(hsdp: bool) -> Optional[_ParallelGroups]:
     """Megatron-core's global groups when its parallel state is initialized
     (as upstream does), else ``None``."""
     ps = mcore.loaded_module("megatron.core.parallel_state")
     if ps is None or not ps.model_parallel_is_initialized():
         return None
-    tp_size = ps.get_tensor_model_parallel_world_size()
+    tp = ps.get_tensor_model_parallel_group()
     if hsdp:
         outer = ps.get_inter_distributed_optimizer_instance_group(check_initialized=False)
         if outer is None:
@@ -153,33 +166,83 @@ def _groups_from_parallel_state(hsdp: bool) -> Optional[_DataParallelGroups]:
                 "initialized without distributed optimizer instances; pass the same "
                 "num_distributed_optimizer_instances to parallel_state.initialize_model_parallel()"
             )
-        return _DataParallelGroups(
+        return _ParallelGroups(
             ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True),
             outer,
             ps.get_data_parallel_group(with_context_parallel=True),
-            tp_size,
+            tp,
         )
-    return _DataParallelGroups(ps.get_data_parallel_group(with_context_parallel=True), tp_size=tp_size)
+    return _ParallelGroups(ps.get_data_parallel_group(with_context_parallel=True), tp=tp)
 
 
-def _hsdp_mesh(groups: _DataParallelGroups, device_type: str) -> DeviceMesh:
-    """An (outer, shard) mesh over the hybrid group's ranks, laid out like
-    Megatron-core's (shard ranks contiguous); checked against the given groups."""
+def _hsdp_grid(groups: _ParallelGroups) -> list[list[int]]:
+    """The (outer, shard) grid of the hybrid group's ranks, laid out like Megatron-core's
+    (shard ranks contiguous); checked against the given groups."""
     ranks = sorted(dist.get_process_group_ranks(groups.hybrid))
     shard_size, outer_size = dist.get_world_size(groups.shard), dist.get_world_size(groups.outer)
-    grid = torch.tensor(ranks).reshape(outer_size, shard_size)
+    grid = torch.tensor(ranks).reshape(outer_size, shard_size).tolist()
     me = dist.get_rank()
-    row = next(r for r in grid.tolist() if me in r)
-    column = [r[row.index(me)] for r in grid.tolist()]
-    if sorted(row) != sorted(dist.get_process_group_ranks(groups.shard)) or sorted(column) != sorted(
-        dist.get_process_group_ranks(groups.outer)
-    ):
+    row = next(r for r in grid if me in r)
+    column = [r[row.index(me)] for r in grid]
+    if row != dist.get_process_group_ranks(groups.shard) or column != dist.get_process_group_ranks(groups.outer):
         raise ValueError(
             f"the HSDP groups do not form a contiguous (outer={outer_size}, shard={shard_size}) grid over ranks "
             f"{ranks}; build them as Megatron-core's parallel_state does (shard groups of consecutive ranks)"
         )
-    return DeviceMesh.from_group(
-        [groups.outer, groups.shard], device_type, mesh=grid.tolist(), mesh_dim_names=("outer_fsdp_dp", "dp_cp")
+    return grid
+
+
+def _grid_with_tp(grid: list, tp: dist.ProcessGroup) -> list:
+    """[Note: the mesh of Megatron-core's groups] The engine's mesh is (data-parallel
+    dims..., tp): entry ``[i..., j]`` is the rank at data-parallel position ``i`` of
+    TP rank ``j``. Each TP peer contributes its own data-parallel grid (one object
+    all-gather over the TP group), so the mesh holds Megatron-core's actual groups
+    whatever its rank order; it is consistent when every TP peer sits at this rank's
+    data-parallel position in its own grid (the row through this rank is the TP group,
+    in TP-rank order: the order of Megatron-core's TP pieces) and no rank appears
+    twice. Anything else is refused: the engine's DTensors would mislabel pieces."""
+    ranks = dist.get_process_group_ranks(tp)
+    peers: list = [None] * len(ranks)
+    dist.all_gather_object(peers, grid, group=tp)
+    where = (torch.tensor(grid) == dist.get_rank()).nonzero()[0].tolist()
+    consistent = all(torch.tensor(p).shape == torch.tensor(grid).shape for p in peers)
+    mesh = torch.tensor(peers).movedim(0, -1) if consistent else None
+    if mesh is None or mesh[tuple(where)].tolist() != ranks or mesh.unique().numel() != mesh.numel():
+        raise ValueError(
+            f"rank {dist.get_rank()}: the tensor-parallel group {ranks} and the data-parallel groups of its "
+            f"members {peers} do not form a (data-parallel x tensor-parallel) grid: each TP peer must sit at "
+            "the same data-parallel position, and no rank may be in both. Build the groups with Megatron-core's "
+            "parallel_state.initialize_model_parallel (or ProcessGroupCollection.use_mpu_process_groups())"
+        )
+    return mesh.tolist()
+
+
+def _device_mesh(groups: _ParallelGroups, device_type: str) -> DeviceMesh:
+    """A mesh over the given groups: (dp_cp), (outer_fsdp_dp, dp_cp), each with a
+    trailing tp dimension under tensor parallelism."""
+    if groups.outer is None and groups.tp_size == 1:
+        return DeviceMesh.from_group(groups.shard, device_type, mesh_dim_names=(_SHARD_DIM,))
+    dims, dim_groups = (_SHARD_DIM,), [groups.shard]
+    grid: list = dist.get_process_group_ranks(groups.shard)
+    if groups.outer is not None:
+        dims, dim_groups, grid = (_OUTER_DIM, _SHARD_DIM), [groups.outer, groups.shard], _hsdp_grid(groups)
+    if groups.tp_size > 1:
+        dims, dim_groups, grid = dims + (_TP_DIM,), dim_groups + [groups.tp], _grid_with_tp(grid, groups.tp)
+    return DeviceMesh.from_group(dim_groups, device_type, mesh=grid, mesh_dim_names=dims)
+
+
+def _index_from_groups(groups: _ParallelGroups, ddp_config: DistributedDataParallelConfig, device_type: str):
+    mesh = _device_mesh(groups, device_type)
+    tp_dim = _TP_DIM if groups.tp_size > 1 else None
+    if groups.outer is None:
+        return FSDPDistributedIndex(mesh, dp_shard_dim=_SHARD_DIM, tp_dim=tp_dim)
+    return FSDPDistributedIndex(
+        mesh,
+        dp_shard_dim=_SHARD_DIM,
+        dp_outer_dim=_OUTER_DIM,
+        tp_dim=tp_dim,
+        hybrid_fsdp_group=groups.hybrid,
+        hsdp_outer_dp_shard=ddp_config.outer_sharding_strategy is not ShardingStrategy.NO_SHARD,
     )
 
 
@@ -192,11 +255,11 @@ def _world_hsdp_index(ddp_config: DistributedDataParallelConfig, device_type: st
             f"num_distributed_optimizer_instances={instances} does not divide the world size {world}; "
             f"use one of {[d for d in range(1, world + 1) if world % d == 0]}"
         )
-    mesh = init_device_mesh(device_type, (instances, world // instances), mesh_dim_names=("outer_fsdp_dp", "dp_cp"))
+    mesh = init_device_mesh(device_type, (instances, world // instances), mesh_dim_names=(_OUTER_DIM, _SHARD_DIM))
     return FSDPDistributedIndex(
         mesh,
-        dp_shard_dim="dp_cp",
-        dp_outer_dim="outer_fsdp_dp",
+        dp_shard_dim=_SHARD_DIM,
+        dp_outer_dim=_OUTER_DIM,
         hybrid_fsdp_group=dist.group.WORLD,
         hsdp_outer_dp_shard=ddp_config.outer_sharding_strategy is not ShardingStrategy.NO_SHARD,
     )
@@ -205,8 +268,10 @@ def _world_hsdp_index(ddp_config: DistributedDataParallelConfig, device_type: st
 def build_dist_index(
     ddp_config: DistributedDataParallelConfig, device: torch.device, pg_collection: Any = None, config: Any = None
 ) -> FSDPDistributedIndex:
-    """The distributed index for ``pg_collection``'s data-parallel group(s), else
-    Megatron-core's parallel state when initialized, else the whole world. With a
+    """The distributed index for ``pg_collection``'s groups, else Megatron-core's
+    parallel state when initialized, else the whole world: data-parallel dimensions
+    ``dp_cp`` (and ``outer_fsdp_dp`` under HSDP), plus ``tp`` when the tensor-parallel
+    group is larger than one rank ([Note: the mesh of Megatron-core's groups]). With a
     MoE ``config`` (``num_moe_experts``) it carries the expert mesh too."""
     hsdp = ddp_config.num_distributed_optimizer_instances > 1
     if pg_collection is not None:
@@ -214,28 +279,15 @@ def build_dist_index(
     else:
         groups = _groups_from_parallel_state(hsdp)
     device_type = device_mod.mesh_device_type(device)
-    outer_shards = ddp_config.outer_sharding_strategy is not ShardingStrategy.NO_SHARD
     if groups is None:
         if hsdp:
             index = _world_hsdp_index(ddp_config, device_type)
         else:
-            index = FSDPDistributedIndex(build_default_mesh(device_type, "dp_cp", "tp"), dp_shard_dim="dp_cp", tp_dim="tp")
-    elif groups.tp_size > 1:
-        raise NotImplementedError(
-            f"tensor parallelism (TP size {groups.tp_size}) is not supported by megatron_fsdp's "
-            "FullyShardedDataParallel; run with tensor_model_parallel_size=1"
-        )
-    elif not hsdp:
-        mesh = DeviceMesh.from_group(groups.shard, device_type, mesh_dim_names=("dp_cp",))
-        index = FSDPDistributedIndex(mesh, dp_shard_dim="dp_cp")
+            index = FSDPDistributedIndex(build_default_mesh(device_type, _SHARD_DIM, _TP_DIM), dp_shard_dim=_SHARD_DIM,
+                                         tp_dim=_TP_DIM)
     else:
-        index = FSDPDistributedIndex(
-            _hsdp_mesh(groups, device_type),
-            dp_shard_dim="dp_cp",
-            dp_outer_dim="outer_fsdp_dp",
-            hybrid_fsdp_group=groups.hybrid,
-            hsdp_outer_dp_shard=outer_shards,
-        )
+        _check_experts_with_tp(config, groups, pg_collection)
+        index = _index_from_groups(groups, ddp_config, device_type)
     expert_mesh = _expert_mesh(config, index, device_type, pg_collection)
     if expert_mesh is None:
         return index
@@ -248,6 +300,33 @@ def build_dist_index(
         hsdp_outer_dp_shard=index.hsdp_outer_dp_shard,
         expt_device_mesh=expert_mesh,
     )
+
+
+def _expert_groups(pg_collection: Any) -> tuple[Optional[dist.ProcessGroup], Optional[dist.ProcessGroup]]:
+    """(expert-parallel group, expert tensor-parallel group) of ``pg_collection`` or of
+    Megatron-core's parallel state."""
+    if pg_collection is not None:
+        return getattr(pg_collection, "ep", None), getattr(pg_collection, "expt_tp", None)
+    ps = mcore.loaded_module("megatron.core.parallel_state")
+    return ps.get_expert_model_parallel_group(), ps.get_expert_tensor_parallel_group()
+
+
+def _check_experts_with_tp(config: Any, groups: _ParallelGroups, pg_collection: Any) -> None:
+    """Refuse expert parallelism, or an expert TP layout other than the dense one, under
+    tensor parallelism: the expert mesh would need its own (expert dp x expert tp) grid."""
+    if not getattr(config, "num_moe_experts", None) or groups.tp_size == 1:
+        return
+    ep, expt_tp = _expert_groups(pg_collection)
+    ep_size = 1 if ep is None else dist.get_world_size(ep)
+    expt_tp_ranks = dist.get_process_group_ranks(expt_tp) if expt_tp is not None else None
+    if ep_size > 1 or expt_tp_ranks not in (None, dist.get_process_group_ranks(groups.tp)):
+        raise NotImplementedError(
+            f"a MoE model with expert parallelism (EP size {ep_size}) or an expert tensor-parallel group "
+            f"{expt_tp_ranks} other than the tensor-parallel group {dist.get_process_group_ranks(groups.tp)} "
+            "is not supported by FullyShardedDataParallel together with tensor parallelism; use "
+            "expert_model_parallel_size=1 and expert_tensor_parallel_size=tensor_model_parallel_size, or "
+            "tensor_model_parallel_size=1"
+        )
 
 
 def _expert_mesh(config: Any, index: FSDPDistributedIndex, device_type: str, pg_collection: Any) -> Optional[DeviceMesh]:
@@ -284,15 +363,41 @@ def _config_flag(config: Any, name: str) -> bool:
     return bool(getattr(config, name, False)) if config is not None else False
 
 
+FSDP_PARAM_ATTR = "__fsdp_param__"
+"""How Megatron-core's optimizer recognises Megatron-FSDP's distributed parameters."""
+
+
+def _mark_for_megatron_optimizer(model: nn.Module) -> None:
+    """[Note: Megatron-core's gradient norm] Megatron-core's optimizer counts gradient
+    elements for its norm and zero count (``get_main_grads_for_grad_norm``,
+    ``count_zeros_fp32``) from each parameter's local gradient: for one marked
+    ``__fsdp_param__`` (as upstream marks its distributed parameters) the local
+    piece ``grad._local_tensor``, kept when ``param_is_not_tensor_parallel_duplicate``
+    (TP-split parameters on every TP rank, replicated ones on TP rank 0 only), the
+    squares summed over the distributed optimizer instance (or the model-parallel
+    group without the distributed optimizer). Our distributed parameters' pieces
+    are disjoint over the shard group and carry ``tensor_model_parallel``, so each
+    element counts once. Unmarked, it would read the DTensor gradient and ask its
+    mesh for one data-parallel group, which a mesh with a ``tp`` dimension (or HSDP's
+    two dimensions) does not have. Under HFSDP (pieces split over the outer group
+    too) one instance holds only part of each gradient and that sum falls short.
+    torch's ``clip_grad_norm_`` on ``parameters()`` is exact without any mark
+    (DTensors over the data-parallel dimensions and ``tp``), HFSDP included."""
+    for param in model.parameters():
+        setattr(param, FSDP_PARAM_ATTR, True)
+
+
 # -- the wrapper ---------------------------------------------------------------------------
 class FullyShardedDataParallel(nn.Module):
     """Megatron-core's data-parallel wrapper interface over ``MegatronFSDP``.
 
     Args:
         config: Megatron-core ``TransformerConfig`` (or any object with its field
-            names, or ``None``); read for ``calculate_per_token_loss`` and
-            ``init_model_with_meta_device``, and exposed as ``self.config`` for
-            Megatron-LM's ``get_model_config``.
+            names, or ``None``); read for ``calculate_per_token_loss``,
+            ``init_model_with_meta_device``, and under tensor parallelism
+            ``sequence_parallel`` / ``qk_layernorm`` (compat/megatron_core.py
+            [Note: tensor-parallel partial gradients]); exposed as ``self.config``
+            for Megatron-LM's ``get_model_config``.
         ddp_config: ours or Megatron-core's ``DistributedDataParallelConfig``
             with ``use_megatron_fsdp=True`` (see ``convert_ddp_config``).
         module: the model to shard.
@@ -305,8 +410,9 @@ class FullyShardedDataParallel(nn.Module):
             else CPU).
         pg_collection: Megatron-core ``ProcessGroupCollection``; its ``dp_cp``
             (or ``dp``) group is the shard group, plus ``intra_dp_cp`` /
-            ``inter_dist_opt`` under HSDP. Default: Megatron-core's parallel
-            state when initialized, else the whole world.
+            ``inter_dist_opt`` under HSDP, and ``tp`` for tensor parallelism.
+            Default: Megatron-core's parallel state when initialized, else the
+            whole world.
     """
 
     def __init__(
@@ -325,6 +431,13 @@ class FullyShardedDataParallel(nn.Module):
         self.device = device_mod.resolve_device(device)
         self.mp_policy = self.ddp_config.mixed_precision_policy()
         self.megatron_fsdp_dist_index = build_dist_index(self.ddp_config, self.device, pg_collection, config)
+        tp_mesh = self.megatron_fsdp_dist_index.tp_mesh
+        self.tp_group: Optional[dist.ProcessGroup] = tp_mesh.get_group() if tp_mesh and tp_mesh.size() > 1 else None
+        """Megatron-core's tensor-parallel group (``None`` without tensor parallelism)."""
+        partial_tp_grads = {}
+        if self.tp_group is not None:  # read before wrapping: the marks are the module's parameters'
+            mcore.check_tp_marks(module)
+            partial_tp_grads = mcore.partial_tp_grad_ops(module, config)
         if fsdp_unit_modules is None:
             fsdp_unit_modules = default_unit_modules(module, self.ddp_config.sharding_strategy)
         self.fsdp_unit_modules = list(fsdp_unit_modules)
@@ -345,6 +458,10 @@ class FullyShardedDataParallel(nn.Module):
             init_model_with_meta_device=_config_flag(config, "init_model_with_meta_device"),
         )
         self.param_and_grad_buffer = self.module.param_and_grad_buffer
+        self._tp_grad_hooks = (
+            mcore.reduce_partial_tp_grads(self.module, partial_tp_grads, self.tp_group) if self.tp_group else []
+        )
+        _mark_for_megatron_optimizer(self.module)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         return self.module(*inputs, **kwargs)
@@ -419,12 +536,13 @@ class FullyShardedDataParallel(nn.Module):
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
         """Megatron-core distributed-checkpointing state dict: the wrapped model's
         own ``sharded_state_dict`` (its keys, replica ids, extra-state objects) with
-        every parameter's value replaced by its full main weights.
+        every parameter's value replaced by its main weights: whole, or this rank's
+        tensor-parallel piece where Megatron-core's ``ShardedTensor`` describes one.
 
-        The full weights are gathered (a collective over the shard group, model-
-        sized memory on every rank): Megatron-core's ``ShardedTensor`` needs shards
-        on a regular grid, which our flat, uneven shards are not. For per-rank
-        shards use ``state_dict()`` with torch.distributed.checkpoint.
+        The full weights are gathered (a collective over the shard and tensor-parallel
+        groups, model-sized memory on every rank): Megatron-core's ``ShardedTensor``
+        needs shards on a regular grid, which our flat, uneven shards are not. For
+        per-rank shards use ``state_dict()`` with torch.distributed.checkpoint.
         """
         mcore.require_megatron_core("FullyShardedDataParallel.sharded_state_dict")
         from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
@@ -437,27 +555,29 @@ class FullyShardedDataParallel(nn.Module):
                 "Use state_dict() with torch.distributed.checkpoint instead"
             )
         full = get_full_state_dict(self.module)
-        name_of = {id(p): name for p, name in self.param_and_grad_buffer.param_names.items()}
+        buffer = self.param_and_grad_buffer
+        param_of = {id(p): (p, name) for p, name in buffer.param_names.items()}
         # Megatron-core reads its parameters' shapes: the compute ones (values replaced below).
         with self.module.compute_params_registered():
             sharded = model.sharded_state_dict(prefix, sharded_offsets, metadata)
         matched: set[str] = set()
 
         def with_main_weights(item: Any) -> Any:
-            if isinstance(item, ShardedTensor) and id(item.data) in name_of:
-                name = name_of[id(item.data)]
-                value = full[name]
+            if isinstance(item, ShardedTensor) and id(item.data) in param_of:
+                param, name = param_of[id(item.data)]
+                spec = buffer.tp_spec(param)
+                value = full[name] if spec is None else spec.local_of(full[name]).contiguous()
                 if value.shape != item.data.shape:
                     raise NotImplementedError(
-                        f"{item.key}: the local tensor {tuple(item.data.shape)} is a tensor-parallel slice; "
-                        "FullyShardedDataParallel supports TP = 1 only"
+                        f"{item.key}: the local tensor {tuple(item.data.shape)} is a slice of the main weights "
+                        f"{tuple(value.shape)} that megatron_fsdp does not know how to cut"
                     )
                 item.data = value
                 matched.add(name)
             return item
 
         dict_list_map_inplace(with_main_weights, sharded)
-        unmatched = set(name_of.values()) - matched
+        unmatched = set(buffer.param_names.values()) - matched
         if unmatched:
             # The model put these parameters in its sharded state dict through
             # copies or views we cannot recognise: they would carry compute weights.

@@ -1,6 +1,6 @@
 """What megatron_fsdp knows about Megatron-core: whether it is installed, its layer
-classes, its parallel state, and how to build its ``GPTModel`` from Megatron-LM
-style arguments.
+classes, its parallel state, which gradients its tensor-parallel layers leave partial
+over the TP ranks, and how to build its ``GPTModel`` from Megatron-LM style arguments.
 
 megatron-core is optional. Nothing here imports it at module import time; the
 functions that need it raise ``ImportError`` naming the feature and the install
@@ -11,13 +11,16 @@ step. This module never patches megatron-core: on a CPU-only machine its
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import logging
 import sys
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
+from torch.utils.hooks import RemovableHandle
 
 from ..comm import device
 
@@ -54,16 +57,18 @@ def loaded_module(name: str) -> Optional[Any]:
     return sys.modules.get(name)
 
 
+def _loaded_class(path: str) -> Optional[type]:
+    """The class at ``path`` ("package.module.Class") if its module was imported already."""
+    module_path, _, attr = path.rpartition(".")
+    cls = getattr(loaded_module(module_path), attr, None)
+    return cls if isinstance(cls, type) else None
+
+
 def megatron_core_unit_classes() -> list[type]:
     """Megatron-core's layer classes usable as FSDP units, among those already
     imported (empty without megatron-core)."""
-    classes = []
-    for path in _UNIT_LAYER_CLASSES:
-        module_path, _, attr = path.rpartition(".")
-        cls = getattr(loaded_module(module_path), attr, None)
-        if isinstance(cls, type) and issubclass(cls, nn.Module):
-            classes.append(cls)
-    return classes
+    classes = [_loaded_class(path) for path in _UNIT_LAYER_CLASSES]
+    return [c for c in classes if c is not None and issubclass(c, nn.Module)]
 
 
 # -- parallel state ---------------------------------------------------------------------
@@ -104,6 +109,113 @@ def _seed_cuda_rng_tracker(seed: int) -> None:
         "attention buffers with torch.cuda.current_device(); on a CPU-only machine run it under a "
         "compatibility shim such as tests/mcore_cpu_shim.py"
     )
+
+
+# -- tensor-parallel layers -----------------------------------------------------------------
+_TP_LAYER_CLASSES = (
+    "megatron.core.tensor_parallel.layers.ColumnParallelLinear",
+    "megatron.core.tensor_parallel.layers.RowParallelLinear",
+    "megatron.core.tensor_parallel.layers.VocabParallelEmbedding",
+)
+
+
+def check_tp_marks(module: nn.Module) -> None:
+    """Refuse a weight of megatron-core's tensor-parallel layers without the
+    ``tensor_model_parallel`` mark: megatron-core sets it only when it initializes
+    the weight (``config.perform_initialization``), and an unmarked piece would be
+    taken for a replicated tensor, its gradient norm counted on one TP rank only."""
+    classes = tuple(c for c in (_loaded_class(path) for path in _TP_LAYER_CLASSES) if c is not None)
+    for name, sub in module.named_modules():
+        weight = getattr(sub, "weight", None) if classes and isinstance(sub, classes) else None
+        if isinstance(weight, torch.Tensor) and not hasattr(weight, "tensor_model_parallel"):
+            raise ValueError(
+                f"{name}.weight of megatron-core's {type(sub).__name__} has no tensor_model_parallel mark "
+                "(megatron-core sets it only with config.perform_initialization=True), so its tensor-parallel "
+                "piece would pass for a replicated tensor; build the model with perform_initialization=True, or "
+                "mark it: megatron.core.tensor_parallel.set_tensor_model_parallel_attributes(weight, True, "
+                "partition_dim, stride)"
+            )
+
+
+# -- gradients partial over the tensor-parallel ranks ----------------------------------------
+TP_AVERAGED_ATTR = "average_gradients_across_tp_domain"
+"""Megatron-core's mark for a parameter whose gradient ``finalize_model_grads`` averages
+over the TP ranks (it checks this mark first)."""
+
+
+def partial_tp_grad_ops(module: nn.Module, config: Any) -> dict[str, "dist.ReduceOp"]:
+    """Parameter name -> how megatron-core completes its gradient over the TP ranks, for
+    the replicated parameters whose gradients its layers leave partial there; the rule
+    of megatron-core 0.16's ``finalize_model_grads`` (``_allreduce_non_tensor_model_
+    parallel_grads``): ``AVG`` for parameters marked ``average_gradients_across_tp_domain``;
+    ``SUM`` for parameters marked ``sequence_parallel`` when ``config.sequence_parallel``
+    (norms and row-parallel biases see their rank's part of the sequence) and for
+    ``q_layernorm`` / ``k_layernorm`` ones when ``config.qk_layernorm`` (their rank's
+    heads). Read from the unwrapped module: the marks are its parameters'."""
+    sequence_parallel = bool(getattr(config, "sequence_parallel", False))
+    qk_layernorm = bool(getattr(config, "qk_layernorm", False))
+    ops: dict[str, dist.ReduceOp] = {}
+    for name, param in module.named_parameters():
+        if getattr(param, TP_AVERAGED_ATTR, False):
+            ops[name] = dist.ReduceOp.AVG
+        elif (sequence_parallel and getattr(param, "sequence_parallel", False)) or (
+            qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name)
+        ):
+            ops[name] = dist.ReduceOp.SUM
+    return ops
+
+
+def reduce_partial_tp_grads(
+    model: nn.Module, ops: dict[str, "dist.ReduceOp"], tp_group: dist.ProcessGroup
+) -> list[RemovableHandle]:
+    """[Note: tensor-parallel partial gradients] Megatron-core's layers leave some
+    replicated parameters with a gradient that is partial over the TP ranks
+    (``partial_tp_grad_ops``). Megatron-core completes them in ``finalize_model_grads``,
+    after the data-parallel sync, on ``.grad._local_tensor`` of Megatron-FSDP's
+    parameters; never in ``finish_grad_sync``. A loop that calls only
+    ``finish_grad_sync`` (this repository's launcher, a user's loop, the step of
+    ``fully_shard_optimizer``) would train them on a partial gradient.
+
+    So the reduction happens once, wherever the step goes: a tensor hook on each such
+    parameter all-reduces its local gradient over ``tp_group`` as autograd produces it
+    (``ops[name]``), before the engine accumulates it and reduces it over the
+    data-parallel ranks (the engine's DTensor TP path does the same through DTensor's
+    backward, as FSDP2 does before its reduce-scatter). After the data-parallel sync
+    the gradient is complete and identical on every TP rank. The parameters are then
+    marked ``average_gradients_across_tp_domain``, which ``finalize_model_grads`` tests
+    before its sequence-parallel and q/k-layernorm rule: its pass, if it runs,
+    averages identical values (no change) instead of summing them a second time.
+    Cost: one small all-reduce per such parameter per backward (megatron-core
+    coalesces one per step). A parameter frozen when this is called gets neither
+    hook nor mark, so ``finalize_model_grads`` stays its only reduction.
+
+    ``model``: the wrapped model (its ``named_parameters()`` are the distributed
+    parameters, whose tensor hooks run on their compute twins' local gradients) or
+    a plain one. Returns the hooks' handles."""
+    if not ops or dist.get_world_size(tp_group) <= 1:
+        return []
+    params = dict(model.named_parameters())
+    missing = sorted(set(ops) - set(params))
+    if missing:
+        raise ValueError(
+            f"reduce_partial_tp_grads: {missing} are not parameters of {type(model).__name__}; "
+            "take the names from the same model (partial_tp_grad_ops on the module before wrapping)"
+        )
+    handles = []
+    for name, op in ops.items():
+        param = params[name]
+        if param.requires_grad:
+            handles.append(param.register_hook(functools.partial(_tp_complete_grad, group=tp_group, op=op)))
+            setattr(param, TP_AVERAGED_ATTR, True)
+    return handles
+
+
+def _tp_complete_grad(grad: torch.Tensor, *, group: dist.ProcessGroup, op: "dist.ReduceOp") -> torch.Tensor:
+    """[Note: tensor-parallel partial gradients]: this rank's gradient, reduced over the TP ranks."""
+    with torch.profiler.record_function("megatron_fsdp::tp_partial_grad_all_reduce"):
+        out = grad.clone(memory_format=torch.contiguous_format)  # a hook must not change its argument
+        dist.all_reduce(out, op=op, group=group)
+    return out
 
 
 # -- GPTModel from Megatron-LM arguments ---------------------------------------------------
