@@ -17,9 +17,11 @@ Megatron-core's tensor-parallel layers (``ColumnParallelLinear``,
 ``RowParallelLinear``, ``VocabParallelEmbedding``...) are sharded over the
 data-parallel ranks of their TP piece: the engine's mesh gets a ``tp`` dimension
 holding Megatron-core's TP group ([Note: the mesh of Megatron-core's groups]);
-gradients its layers leave partial over the TP ranks are completed once, whether
-the loop calls ``finish_grad_sync`` or megatron-core's ``finalize_model_grads``
-(compat/megatron_core.py [Note: tensor-parallel partial gradients]).
+the engine completes the gradients its layers leave partial over the TP ranks once,
+whether the loop calls ``finish_grad_sync`` or megatron-core's ``finalize_model_grads``
+(compat/megatron_core.py [Note: tensor-parallel partial gradients]), and marks the
+distributed parameters for megatron-core's norm rule (buffers/param_and_grad_buffer.py
+[Note: Megatron-core's gradient norm]).
 
 After ``finish_grad_sync()`` the reduced gradients sit in ``.grad`` of
 ``parameters()`` (the distributed main weights), where a plain torch optimizer
@@ -363,41 +365,15 @@ def _config_flag(config: Any, name: str) -> bool:
     return bool(getattr(config, name, False)) if config is not None else False
 
 
-FSDP_PARAM_ATTR = "__fsdp_param__"
-"""How Megatron-core's optimizer recognises Megatron-FSDP's distributed parameters."""
-
-
-def _mark_for_megatron_optimizer(model: nn.Module) -> None:
-    """[Note: Megatron-core's gradient norm] Megatron-core's optimizer counts gradient
-    elements for its norm and zero count (``get_main_grads_for_grad_norm``,
-    ``count_zeros_fp32``) from each parameter's local gradient: for one marked
-    ``__fsdp_param__`` (as upstream marks its distributed parameters) the local
-    piece ``grad._local_tensor``, kept when ``param_is_not_tensor_parallel_duplicate``
-    (TP-split parameters on every TP rank, replicated ones on TP rank 0 only), the
-    squares summed over the distributed optimizer instance (or the model-parallel
-    group without the distributed optimizer). Our distributed parameters' pieces
-    are disjoint over the shard group and carry ``tensor_model_parallel``, so each
-    element counts once. Unmarked, it would read the DTensor gradient and ask its
-    mesh for one data-parallel group, which a mesh with a ``tp`` dimension (or HSDP's
-    two dimensions) does not have. Under HFSDP (pieces split over the outer group
-    too) one instance holds only part of each gradient and that sum falls short.
-    torch's ``clip_grad_norm_`` on ``parameters()`` is exact without any mark
-    (DTensors over the data-parallel dimensions and ``tp``), HFSDP included."""
-    for param in model.parameters():
-        setattr(param, FSDP_PARAM_ATTR, True)
-
-
 # -- the wrapper ---------------------------------------------------------------------------
 class FullyShardedDataParallel(nn.Module):
     """Megatron-core's data-parallel wrapper interface over ``MegatronFSDP``.
 
     Args:
         config: Megatron-core ``TransformerConfig`` (or any object with its field
-            names, or ``None``); read for ``calculate_per_token_loss``,
-            ``init_model_with_meta_device``, and under tensor parallelism
-            ``sequence_parallel`` / ``qk_layernorm`` (compat/megatron_core.py
-            [Note: tensor-parallel partial gradients]); exposed as ``self.config``
-            for Megatron-LM's ``get_model_config``.
+            names, or ``None``); read for ``calculate_per_token_loss`` and
+            ``init_model_with_meta_device``; exposed as ``self.config`` for
+            Megatron-LM's ``get_model_config``.
         ddp_config: ours or Megatron-core's ``DistributedDataParallelConfig``
             with ``use_megatron_fsdp=True`` (see ``convert_ddp_config``).
         module: the model to shard.
@@ -434,10 +410,6 @@ class FullyShardedDataParallel(nn.Module):
         tp_mesh = self.megatron_fsdp_dist_index.tp_mesh
         self.tp_group: Optional[dist.ProcessGroup] = tp_mesh.get_group() if tp_mesh and tp_mesh.size() > 1 else None
         """Megatron-core's tensor-parallel group (``None`` without tensor parallelism)."""
-        partial_tp_grads = {}
-        if self.tp_group is not None:  # read before wrapping: the marks are the module's parameters'
-            mcore.check_tp_marks(module)
-            partial_tp_grads = mcore.partial_tp_grad_ops(module, config)
         if fsdp_unit_modules is None:
             fsdp_unit_modules = default_unit_modules(module, self.ddp_config.sharding_strategy)
         self.fsdp_unit_modules = list(fsdp_unit_modules)
@@ -458,10 +430,6 @@ class FullyShardedDataParallel(nn.Module):
             init_model_with_meta_device=_config_flag(config, "init_model_with_meta_device"),
         )
         self.param_and_grad_buffer = self.module.param_and_grad_buffer
-        self._tp_grad_hooks = (
-            mcore.reduce_partial_tp_grads(self.module, partial_tp_grads, self.tp_group) if self.tp_group else []
-        )
-        _mark_for_megatron_optimizer(self.module)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         return self.module(*inputs, **kwargs)

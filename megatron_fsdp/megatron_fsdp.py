@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import importlib
 import logging
+import types
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
@@ -15,6 +16,7 @@ import torch.nn as nn
 from .comm import collectives
 from .comm import device as device_mod
 from .comm import streams
+from .compat import megatron_core as mcore_compat
 from .compat import transformer_engine as te_compat
 from .state import model_state_dict as state_dict_mod
 from .runtime.all_gather_pipeline import AllGatherPipeline
@@ -94,6 +96,9 @@ def _default_ddp_config(**upstream_fields: Any) -> DistributedDataParallelConfig
     )
 
 
+_EVERY_PARTIAL_TP_RULE = types.SimpleNamespace(sequence_parallel=True, qk_layernorm=True)
+
+
 class MegatronFSDP(RefusesCopies, nn.Module):
     """Fully sharded data parallel wrapper in the Megatron style.
 
@@ -170,6 +175,7 @@ class MegatronFSDP(RefusesCopies, nn.Module):
         self._admit(module, allow_meta=init_model_with_meta_device)
         self.replaced_params: dict[int, nn.Parameter] = {}
         """id(a DTensor parameter of a TP plan) -> the plain parameter that replaced it."""
+        partial_tp_grads = self._partial_tp_grad_ops(module)  # read before wrapping: the marks are the module's
         self._tp_specs = extract_tensor_parallel(module, self.dist_index.tp_mesh, self.replaced_params)
         self.module = module
         self._te_hooks = te_compat.prepare_fused_wgrad(module, self.mp_policy.grads_dtype_for)
@@ -183,6 +189,9 @@ class MegatronFSDP(RefusesCopies, nn.Module):
             self.init_peak_param_bytes = materialize_meta_module(module, buffer, self.device)
         self._start_runtime(units, sync_model_each_microbatch=sync_model_each_microbatch,
                             broadcast_buffers=broadcast_buffers)
+        tp_mesh = self.dist_index.tp_mesh
+        self._tp_grad_hooks = mcore_compat.reduce_partial_tp_grads(self, partial_tp_grads, tp_mesh.get_group()) \
+            if partial_tp_grads else []
         guard_module(module)  # copies, pickles and moves of the wrapped module raise from here on
 
     def _apply(self, fn, recurse: bool = True) -> "MegatronFSDP":
@@ -259,6 +268,18 @@ class MegatronFSDP(RefusesCopies, nn.Module):
         te_compat.check_supported(module)  # before any buffer: FP8 parameters cannot be repointed
         streams.check_torch_for_device(self.device)
         sync_initial_state(module, self.dist_index, collectives.as_timeout(self.ddp_config.collective_timeout_s))
+
+    def _partial_tp_grad_ops(self, module: nn.Module) -> dict:
+        """Megatron-core's tensor-parallel layers leave some replicated parameters' gradients
+        partial over TP (compat/megatron_core.py [Note: tensor-parallel partial gradients]):
+        their names and reductions, completed by hooks whatever the entry point. The rule
+        with every switch on: megatron-core marks a parameter ``sequence_parallel`` only
+        under sequence parallelism and names q/k layer norms only when it builds them."""
+        if self.dist_index.tp_size <= 1 or not any(getattr(p, "tensor_model_parallel", False)
+                                                  for p in module.parameters()):
+            return {}
+        mcore_compat.check_tp_marks(module)
+        return mcore_compat.partial_tp_grad_ops(module, _EVERY_PARTIAL_TP_RULE)
 
     def _check_supported(self) -> None:
         cfg = self.ddp_config

@@ -282,15 +282,12 @@ def _wrap(case: Case, model: TPNet, par: Parallel):
                                         pg_collection=par.pg_collection)
     # The adapter's mesh from megatron-core's groups.
     index = build_dist_index(cfg, torch.device("cpu"), par.pg_collection)
-    partial = mcore.partial_tp_grad_ops(model, model.config)
     wrapped = mf.fully_shard_model(
         model, device_mesh=index.device_mesh, dp_shard_dim=index.dp_shard_dim, dp_outer_dim=index.dp_outer_dim,
         tp_dim=index.tp_dim, hybrid_fsdp_group=index.hybrid_fsdp_group, fsdp_unit_modules=[TPBlock],
         zero_dp_strategy=case.strategy, outer_dp_sharding_strategy=case.outer if par.instances > 1 else 0,
     )
-    if case.sync == "finish":  # finalize_model_grads needs nothing: it sums the sequence-parallel grads itself
-        mcore.reduce_partial_tp_grads(wrapped, partial, index.tp_group)
-    return wrapped
+    return wrapped  # partial TP gradients completed by the engine, as under the adapter
 
 
 def megatron_rule_norm(model: nn.Module, par: Parallel, sharded: bool) -> float:
@@ -336,9 +333,9 @@ def _step(case: Case, model, optimizer, tokens: torch.Tensor, par: Parallel, mic
         finalize_model_grads([model])
     else:
         model.finish_grad_sync()
-    # fully_shard_model's parameters lack the mark megatron-core's optimizer needs ([Note:
-    # Megatron-core's gradient norm]): the adapter's only.
-    mcore_norm = megatron_rule_norm(model, par, sharded=case.strategy != "no_shard") if adapter else math.nan
+    # Every entry point's parameters carry the mark megatron-core's optimizer reads ([Note:
+    # Megatron-core's gradient norm]).
+    mcore_norm = megatron_rule_norm(model, par, sharded=case.strategy != "no_shard")
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip or math.inf)
     optimizer.step()
     optimizer.zero_grad()

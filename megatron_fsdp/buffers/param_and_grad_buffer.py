@@ -54,6 +54,22 @@ MEGATRON_PARAM_ATTRS = (
 """Attributes Megatron sets on parameters and reads back (expert-ness, tensor
 parallelism, embeddings): copied onto the distributed twins, as upstream does."""
 
+FSDP_PARAM_ATTR = "__fsdp_param__"
+"""[Note: Megatron-core's gradient norm] How Megatron-core's optimizer recognises
+Megatron-FSDP's distributed parameters (upstream marks its own so). It counts gradient
+elements for its norm and zero count (``get_main_grads_for_grad_norm``,
+``count_zeros_fp32``) from each parameter's local gradient: for a marked one the local
+piece ``grad._local_tensor``, kept when ``param_is_not_tensor_parallel_duplicate``
+(TP-split parameters on every TP rank, replicated ones on TP rank 0 only), the squares
+summed over the distributed optimizer instance (or the model-parallel group without the
+distributed optimizer). Our distributed parameters' pieces are disjoint over the shard
+group and carry ``tensor_model_parallel``, so each element counts once. Unmarked, it
+would read the DTensor gradient and ask its mesh for one data-parallel group, which a
+mesh with a ``tp`` dimension (or HSDP's two dimensions) does not have. Under HFSDP
+(pieces split over the outer group too) one instance holds only part of each gradient
+and that sum falls short; torch's ``clip_grad_norm_`` on ``parameters()`` is exact
+without any mark (DTensors over the data-parallel dimensions and ``tp``), HFSDP included."""
+
 ROOT_UNIT = None
 """Unit id of parameters outside every FSDP unit (or shared by several units)."""
 
@@ -394,6 +410,7 @@ class ParamAndGradBuffer:
             if hasattr(compute, attr):
                 setattr(dist_param, attr, getattr(compute, attr))
         restore_marks(dist_param, is_fsdp_no_shard(compute))
+        setattr(dist_param, FSDP_PARAM_ATTR, True)  # [Note: Megatron-core's gradient norm]
         spec = self.tp_specs.get(compute)
         tp_sharded = spec is not None and spec.sharded
         if group.strategy.shards_optimizer or tp_sharded:
