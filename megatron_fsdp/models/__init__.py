@@ -19,6 +19,8 @@ Modules, one concern each:
 - ``mtp.py``: multi-token prediction (DeepSeek-V3's MTP).
 - ``losses.py``: Megatron's language-model cross-entropy; side losses attached to the graph.
 - ``gpt.py``: ``GPT`` and ``gpt_loss``.
+- ``tensor_parallel.py``: ``apply_tensor_parallel``, the GPT's tensor-parallel plan (PyTorch DTensor
+  styles, torchtitan's order), applied before FSDP wrapping.
 - ``presets.py``: named configurations of record.
 - ``mcore.py``: megatron-core's ``GPTModel`` from a ``GPTConfig`` and our weights in its layout;
   ``mcore_mla.py`` and ``mcore_mtp.py`` its MLA and MTP parts; ``mcore_specs.py`` the

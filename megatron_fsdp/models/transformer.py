@@ -47,10 +47,16 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
-        q, k, v, gate = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size, self.gate_size], dim=2)
-        q = q.view(b, t, self.heads, self.head_dim).transpose(1, 2)  # (b, h, t, d)
-        k = k.view(b, t, self.groups, self.head_dim).transpose(1, 2)  # (b, g, t, d)
-        v = v.view(b, t, self.groups, self.head_dim).transpose(1, 2)  # (b, g, t, d)
+        fused = self.qkv(x)  # (b, t, h*d + 2*g*d (+ h*d)), or this TP rank's share of it
+        # Under the tensor-parallel plan the projection hands this rank 1/TP of every section
+        # (models/tensor_parallel.py, [Note: fused projections]): its own heads and groups.
+        share = (self.q_size + 2 * self.kv_size + self.gate_size) // fused.shape[-1]
+        heads, groups = self.heads // share, self.groups // share
+        q, k, v, gate = fused.split([heads * self.head_dim, groups * self.head_dim, groups * self.head_dim,
+                                     self.gate_size // share], dim=2)
+        q = q.view(b, t, heads, self.head_dim).transpose(1, 2)  # (b, h, t, d)
+        k = k.view(b, t, groups, self.head_dim).transpose(1, 2)  # (b, g, t, d)
+        v = v.view(b, t, groups, self.head_dim).transpose(1, 2)  # (b, g, t, d)
         if self.qk_layernorm:
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         if self.rope:
@@ -58,16 +64,16 @@ class CausalSelfAttention(nn.Module):
                                  interleaved=self.rotary_interleaved)  # (t, rotary_dim)
             q = apply_rope(q, angles, interleaved=self.rotary_interleaved)
             k = apply_rope(k, angles, interleaved=self.rotary_interleaved)
-        if self.groups != self.heads:
-            k = k.repeat_interleave(self.heads // self.groups, dim=1)  # (b, h, t, d)
-            v = v.repeat_interleave(self.heads // self.groups, dim=1)  # (b, h, t, d)
+        if groups != heads:
+            k = k.repeat_interleave(heads // groups, dim=1)  # (b, h, t, d)
+            v = v.repeat_interleave(heads // groups, dim=1)  # (b, h, t, d)
         if self.recompute_core and torch.is_grad_enabled():
             # Selective recompute: keep q, k, v; recompute softmax(QK^T)V in backward
             # (the RNG state is replayed, so attention dropout draws the same mask).
             y = checkpoint(self._core_attention, q, k, v, use_reentrant=False)
         else:
             y = self._core_attention(q, k, v)  # (b, h, t, d)
-        y = y.transpose(1, 2).reshape(b, t, self.q_size)  # (b, t, h*d), head-major as the gate
+        y = y.transpose(1, 2).reshape(b, t, heads * self.head_dim)  # (b, t, h*d), head-major as the gate
         if self.gate_size:
             y = apply_output_gate(y, gate)
         return self.proj(y)  # (b, t, hidden)
