@@ -89,6 +89,19 @@ def build_hybrid_mesh(
     return _cached_mesh(device_type, (outer_size, world // outer_size, 1), (dp_outer_dim, dp_shard_dim, tp_dim))
 
 
+def _flatten_for_reductions(mesh: DeviceMesh) -> None:
+    """A norm of a tensor-parallel model's gradients is partial over every dimension of
+    (dp dims..., tp); DTensor reduces it in one all-reduce when the mesh has the
+    dimensions' flattened twin (one process group, made once here), else in one per
+    dimension (an order that may differ between ranks, and a warning)."""
+    if mesh.ndim < 2 or mesh.size() == 1:
+        return
+    try:
+        mesh._flatten()
+    except (RuntimeError, ValueError, NotImplementedError) as exc:  # a torch without it, or names it refuses
+        logger.debug("megatron_fsdp: no flattened twin of %s: %s", mesh, exc)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class DataParallelGroups:
     """The data-parallel topology one parameter group lives on.
@@ -219,6 +232,7 @@ class FSDPDistributedIndex:
         if self.tp_dim is not None and has_submesh(mesh, self.tp_dim):
             tp_mesh = mesh[self.tp_dim]
             mesh_with_tp = mesh[dims + (self.tp_dim,)]
+            _flatten_for_reductions(mesh_with_tp)
         return DataParallelGroups(
             shard_group=shard_mesh.get_group(),
             outer_group=outer_group,

@@ -2,6 +2,11 @@
 PyTorch FSDP2 with ``--use-torch-fsdp2``: torch_fsdp2.py) and build its optimizer,
 from the parsed flags.
 
+With ``--tensor-model-parallel-size`` > 1 the embedded GPT is split by its tensor-parallel
+plan (``models/tensor_parallel.py``) on the mesh's ``tp`` dimension before Megatron-FSDP
+wraps it over the data-parallel dimensions (ranks in Megatron-LM's order:
+parallel_dims.py, [Note: rank order]).
+
 The embedded GPT (``megatron_fsdp.models.gpt``) is the default; ``--use-mcore-models``
 swaps in Megatron-core's GPTModel with the same architecture through
 ``megatron_fsdp.models.mcore``, imported only then so megatron-core stays optional.
@@ -15,6 +20,7 @@ engine] in arg_types.py); PyTorch DDP wraps fp32 runs without a distributed opti
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any, Callable, Optional
 
 import torch
@@ -26,12 +32,15 @@ from torch.distributed.tensor import DTensor
 import megatron_fsdp as mf
 from megatron_fsdp.comm import device as device_mod
 from megatron_fsdp.models.gpt import GPT, GPTConfig, TransformerBlock
+from megatron_fsdp.models.tensor_parallel import apply_tensor_parallel
 # LogitsGradInBF16 lived here before: importable from here still.
 from megatron_fsdp.models.losses import LogitsGradInBF16, token_cross_entropy  # noqa: F401
 
 from . import torch_fsdp2
 from .args.arg_types import DataParallelPath, Precision
+from .parallel_dims import ParallelDims
 
+logger = logging.getLogger(__name__)
 
 _PRECISION_DTYPES = {Precision.FP32: torch.float32, Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
 
@@ -56,6 +65,12 @@ class ModelBundle:
     mtp: Optional[Any] = None
     """megatron-core models with ``--mtp-num-layers``: ``models.mcore_mtp.McoreMTPLoss`` (the
     MTP loss's gradient factor and per-depth losses). The embedded GPT drives its own."""
+    data_parallel_rank: int = 0
+    """This rank's data-parallel rank, whose samples it trains on (the TP ranks of one
+    data-parallel rank read the same ones: parallel_dims.py, [Note: rank order])."""
+    data_parallel_group: Optional[dist.ProcessGroup] = None
+    """The group the training step sums losses and token counts over (the ranks of one TP
+    piece); None: every rank."""
 
     @property
     def params(self) -> list[torch.Tensor]:
@@ -80,11 +95,31 @@ def _local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+def _parallel_layout(args, device: torch.device):
+    """(``ParallelDims``, the wrapper's TP / HSDP mesh or None, the data-parallel group or
+    None for every rank). Collective. Megatron-core's adapter and the PyTorch wrappers lay
+    out their own groups."""
+    dims = ParallelDims.from_args(args, dist.get_world_size() if dist.is_initialized() else 1)
+    if args.dp_path not in (DataParallelPath.MEGATRON_FSDP, DataParallelPath.MEGATRON_DDP) or args.use_mcore_models:
+        if dims.tp > 1:  # validation refuses these (tp_flags.py); a caller that skipped it learns why here
+            raise ValueError(f"--tensor-model-parallel-size {dims.tp} needs the embedded GPT under Megatron-FSDP or "
+                             f"Megatron-core DDP on this engine, not {args.dp_path.name} (use_mcore_models="
+                             f"{args.use_mcore_models}); add --use-megatron-fsdp and drop --use-mcore-models")
+        return dims, None, None
+    mesh = dims.build_mesh(device_mod.mesh_device_type(device))
+    return dims, mesh, dims.data_parallel_group(mesh)
+
+
 def setup_model_and_optimizer(args, device: torch.device) -> ModelBundle:
+    dims, mesh, dp_group = _parallel_layout(args, device)
     if args.use_mcore_models:
         module, loss_fn_factory, unit_modules = _build_mcore_model(args, device)
     else:
-        module, loss_fn_factory, unit_modules = _build_embedded_gpt(args, device)
+        tp_mesh = mesh["tp"] if dims.tp > 1 else None
+        module, loss_fn_factory, unit_modules = _build_embedded_gpt(args, device, tp_mesh=tp_mesh)
+    if dims.tp > 1:
+        logger.info("> tensor parallelism: %d ranks per data-parallel rank x %d data-parallel ranks%s", dims.tp,
+                    dims.dp, ", sequence parallel" if dims.sequence_parallel else "")
     num_parameters = sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
     dtype = _PRECISION_DTYPES[args.precision]
     if args.dp_path is DataParallelPath.TORCH_DDP:
@@ -97,7 +132,7 @@ def setup_model_and_optimizer(args, device: torch.device) -> ModelBundle:
     else:
         if dtype is not torch.float32:
             module = module.to(dtype)
-        model = _wrap_megatron_fsdp(module, args, device, unit_modules)
+        model = _wrap_megatron_fsdp(module, args, device, unit_modules, dims.wrap_kwargs(mesh, dp_group))
         optimizer = mf.fully_shard_optimizer(build_optimizer(model, args))
     balancing = None
     if args.use_mcore_models:
@@ -109,7 +144,9 @@ def setup_model_and_optimizer(args, device: torch.device) -> ModelBundle:
     return ModelBundle(model=model, optimizer=optimizer, loss_fn=loss_fn_factory(model),
                        is_fsdp=args.dp_path in (DataParallelPath.MEGATRON_FSDP, DataParallelPath.MEGATRON_DDP),
                        num_parameters=num_parameters,
-                       moe_balancing=balancing, mtp=mtp if args.use_mcore_models else None)
+                       moe_balancing=balancing, mtp=mtp if args.use_mcore_models else None,
+                       data_parallel_rank=dims.data_parallel_rank(dist.get_rank()),
+                       data_parallel_group=dp_group)
 
 
 # -- models -----------------------------------------------------------------------
@@ -263,7 +300,9 @@ def megatron_gelu_is_tanh(args) -> bool:
     return bool(args.bias_gelu_fusion and args.add_bias_linear)
 
 
-def _build_embedded_gpt(args, device: torch.device):
+def _build_embedded_gpt(args, device: torch.device, tp_mesh=None):
+    """The embedded GPT for the flags; with ``tp_mesh`` split by its tensor-parallel plan
+    (after DDP's materialisation: the plan takes each rank's piece of the whole weights)."""
     cfg = gpt_config_from_args(args)
     # Same seed on every rank: identical initial weights without a broadcast.
     torch.manual_seed(args.seed)
@@ -274,6 +313,8 @@ def _build_embedded_gpt(args, device: torch.device):
             module = _materialize(module, device)
     else:
         module = GPT(cfg).to(device)
+    if tp_mesh is not None:
+        apply_tensor_parallel(module, tp_mesh, sequence_parallel=args.sequence_parallel)
 
     bf16_logits_grad = args.cross_entropy_loss_fusion
     module.set_mtp_loss_settings(bf16_logits_grad=bf16_logits_grad)  # the MTP heads' loss too
@@ -380,7 +421,8 @@ def ddp_config_from_args(args) -> mf.DistributedDataParallelConfig:
     )
 
 
-def _wrap_megatron_fsdp(module: nn.Module, args, device: torch.device, unit_modules) -> nn.Module:
+def _wrap_megatron_fsdp(module: nn.Module, args, device: torch.device, unit_modules, mesh_kwargs: dict) -> nn.Module:
+    """``mesh_kwargs``: ``ParallelDims.wrap_kwargs`` (the TP / HSDP mesh; empty: the default group)."""
     ddp_config = ddp_config_from_args(args)
     if args.use_mcore_models:
         from megatron_fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
@@ -402,7 +444,7 @@ def _wrap_megatron_fsdp(module: nn.Module, args, device: torch.device, unit_modu
         fsdp_double_buffer=args.fsdp_double_buffer or args.nccl_ub,  # as ddp_config_from_args
         check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad,
         suggested_communication_unit_size=args.suggested_communication_unit_size,
-        **_hsdp_kwargs(args, device),
+        **mesh_kwargs,
         **_expert_kwargs(module, args, device),
     )
 
@@ -410,7 +452,8 @@ def _wrap_megatron_fsdp(module: nn.Module, args, device: torch.device, unit_modu
 def _expert_kwargs(module: nn.Module, args, device: torch.device) -> dict:
     """Expert parameters (MoE) go to the expert data-parallel group: with expert
     parallel size 1 it spans the same ranks, on a mesh of its own (with HSDP laid out
-    and named as the dense mesh of ``_hsdp_kwargs``: the same shard and outer groups)."""
+    and named as the dense mesh of ``ParallelDims.build_mesh``: the same shard and outer
+    groups; MoE is refused with tensor parallelism)."""
     from megatron_fsdp.models import has_expert_parameters
 
     if not has_expert_parameters(module):
@@ -421,19 +464,6 @@ def _expert_kwargs(module: nn.Module, args, device: torch.device) -> dict:
     else:
         shape, names = (world, 1), ("fsdp", "tp")
     return dict(expt_device_mesh=init_device_mesh(device_mod.mesh_device_type(device), shape, mesh_dim_names=names))
-
-
-def _hsdp_kwargs(args, device: torch.device) -> dict:
-    """Mesh and groups for HSDP: ``num_distributed_optimizer_instances`` replicas of a
-    shard group of contiguous ranks (the fast, intra-node links)."""
-    outer = args.num_distributed_optimizer_instances
-    if outer <= 1:
-        return {}
-    world = dist.get_world_size()
-    mesh = init_device_mesh(device_mod.mesh_device_type(device), (outer, world // outer, 1),
-                            mesh_dim_names=("dp_outer", "dp_shard", "tp"))
-    return dict(device_mesh=mesh, dp_shard_dim="dp_shard", dp_outer_dim="dp_outer", tp_dim="tp",
-                hybrid_fsdp_group=dist.group.WORLD)
 
 
 def needs_find_unused_parameters(module: nn.Module) -> bool:

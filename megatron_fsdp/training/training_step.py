@@ -96,12 +96,13 @@ class StepContext:
     seq_length: int = 0
 
 
-def _global_sums(values: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Sum a float64 vector over every rank, on ``device`` (no host read: see
-    [Note: one host sync per iteration])."""
+def _global_sums(values: torch.Tensor, device: torch.device, group=None) -> torch.Tensor:
+    """Sum a float64 vector over the data-parallel ranks (``group``, ModelBundle's: every rank
+    without tensor parallelism, whose TP ranks hold copies of the same losses), on ``device``
+    (no host read: see [Note: one host sync per iteration])."""
     values = values.to(device=device, dtype=torch.float64)
     if dist.is_initialized():
-        dist.all_reduce(values)
+        dist.all_reduce(values, group=group)
     return values
 
 
@@ -205,8 +206,8 @@ def _finalize_model_grads(ctx: StepContext) -> None:
       defers every gradient sync until it is called, as upstream; ``fully_shard_model``
       has synced at the last micro batch already and returns at once);
     - the MoE routers: expert biases updated from the tokens per expert summed over the
-      data-parallel ranks (here every rank: tensor, pipeline and context parallel sizes
-      are 1), global-aux-loss counts reset (models/router.py, [Note: expert bias])."""
+      data-parallel ranks (every rank: MoE runs at tensor, pipeline and context parallel
+      sizes 1 here), global-aux-loss counts reset (models/router.py, [Note: expert bias])."""
     finish = getattr(ctx.bundle.model, "finish_grad_sync", None)
     if finish is not None:
         finish()
@@ -295,7 +296,7 @@ def train_step(ctx: StepContext, state: TrainState, source: SampleSource) -> Ste
         parts.append(sums.balancing.reshape(1))
     if sums.mtp is not None:
         parts.append(sums.mtp.reshape(-1))
-    totals = _global_sums(torch.cat(parts), ctx.device)
+    totals = _global_sums(torch.cat(parts), ctx.device, ctx.bundle.data_parallel_group)
     params = bundle.params
     if ctx.per_token_loss:
         # Megatron-FSDP summed over ranks (no DP scaling); DDP always averages, so undo its 1/dp.
@@ -353,7 +354,7 @@ def train_step(ctx: StepContext, state: TrainState, source: SampleSource) -> Ste
 def _side_losses(ctx: StepContext, sums: _MicroBatchSums, host: list[float]):
     """The logged MoE balancing loss and MTP losses from the all-reduced sums (``host``:
     loss, tokens, non-finite flag, then the balancing sum if any, then each MTP depth)."""
-    dp = dist.get_world_size() if dist.is_initialized() else 1
+    dp = dist.get_world_size(ctx.bundle.data_parallel_group) if dist.is_initialized() else 1
     micro = ctx.layout.num_microbatches
     # Megatron-LM: the per-micro-batch balancing losses summed, times 1 / micro batches, averaged over DP
     # (summed for the global aux loss, whose ranks each hold a part of one loss).
@@ -381,5 +382,6 @@ def evaluate(ctx: StepContext, source: SampleSource, eval_iters: int, consumed_s
             loss_total += loss_sum.double()
             tokens_total += tokens
     totals = _global_sums(torch.stack([loss_total, torch.tensor(float(tokens_total), dtype=torch.float64,
-                                                                  device=ctx.device)]), ctx.device).tolist()
+                                                                  device=ctx.device)]), ctx.device,
+                          ctx.bundle.data_parallel_group).tolist()
     return totals[0] / totals[1]

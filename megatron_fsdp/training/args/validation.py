@@ -20,7 +20,7 @@ import re
 from ...comm import device as device_mod
 from ...enums import ShardingStrategy
 from ...models.config import megatron_swiglu_ffn_hidden_size
-from . import activation_offload_flags, mla_flags, mtp_flags, muon_flags, torch_fsdp2_flags
+from . import activation_offload_flags, mla_flags, mtp_flags, muon_flags, torch_fsdp2_flags, tp_flags
 from .. import determinism
 from ..data import tokenizers
 from .arg_types import BYTE_VOCAB_SIZE, DataParallelPath, LRDecayStyle, Precision, TokenizerType, recompute_granularity
@@ -58,12 +58,15 @@ def flag_policy(args: argparse.Namespace, given: dict[str, FlagSpec]) -> tuple[l
 
 
 def collect_problems(args: argparse.Namespace, world_size: int) -> list[str]:
-    problems: list[str] = []
+    """Every rule's problems. The tensor-parallel rule reads the world; the rest read the
+    data-parallel size (the world over the TP size), as Megatron-LM's batch rules do."""
+    problems = tp_flags.tp_problems(args, world_size)
+    data_parallel = tp_flags.data_parallel_size(args, world_size)
     for rule in (_required, _model_shape, _model_features, _multi_latent_attention, _multi_token_prediction,
                  _recompute, _batch, _eval_batch, _batch_rampup, _schedule, _data_parallel, _megatron_fsdp,
                  _precision, _determinism, _data, _fim, _io, _optional_packages, _muon, _activation_offload,
                  _rerun):
-        problems += rule(args, world_size)
+        problems += rule(args, data_parallel)  # the rules' second parameter: the data-parallel size
     return problems
 
 
@@ -324,17 +327,17 @@ def _recompute(args, world_size) -> list[str]:
     return problems
 
 
-def _batch(args, world_size) -> list[str]:
+def _batch(args, data_parallel) -> list[str]:
     problems = _positive(args, ("micro_batch_size", "global_batch_size", "train_iters", "train_samples",
                                 "log_interval"))
     if problems or args.micro_batch_size is None:
         return problems
     # Megatron-LM: a global batch is a whole number of micro batches on every DP rank.
-    per_step = args.micro_batch_size * world_size
+    per_step = args.micro_batch_size * data_parallel
     if args.global_batch_size is not None and args.global_batch_size % per_step:
         problems.append(
             f"--global-batch-size={args.global_batch_size} is not divisible by --micro-batch-size="
-            f"{args.micro_batch_size} x data-parallel size {world_size} = {per_step}; use a multiple of {per_step}"
+            f"{args.micro_batch_size} x data-parallel size {data_parallel} = {per_step}; use a multiple of {per_step}"
         )
     for name in ("exit_interval", "exit_duration_in_mins"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
@@ -342,7 +345,7 @@ def _batch(args, world_size) -> list[str]:
     return problems
 
 
-def _eval_batch(args, world_size) -> list[str]:
+def _eval_batch(args, data_parallel) -> list[str]:
     """--eval-global-batch-size / --eval-micro-batch-size (default: the training values). Megatron-LM's
     rule: the evaluation batch is a whole number of evaluation micro batches on every DP rank."""
     if args.eval_global_batch_size is None and args.eval_micro_batch_size is None:
@@ -351,19 +354,19 @@ def _eval_batch(args, world_size) -> list[str]:
     if problems or args.micro_batch_size is None or (args.global_batch_size or 1) <= 0:
         return problems
     micro = args.eval_micro_batch_size or args.micro_batch_size
-    batch = args.eval_global_batch_size or args.global_batch_size or args.micro_batch_size * world_size
-    if batch % (micro * world_size):
+    batch = args.eval_global_batch_size or args.global_batch_size or args.micro_batch_size * data_parallel
+    if batch % (micro * data_parallel):
         problems.append(f"the evaluation batch {batch} (--eval-global-batch-size, default --global-batch-size) is not "
                         f"divisible by --eval-micro-batch-size {micro} (default --micro-batch-size) x data-parallel "
-                        f"size {world_size} = {micro * world_size} (Megatron-LM's rule); use a multiple of it")
+                        f"size {data_parallel} = {micro * data_parallel} (Megatron-LM's rule); use a multiple of it")
     return problems
 
 
-def _batch_rampup(args, world_size) -> list[str]:
+def _batch_rampup(args, data_parallel) -> list[str]:
     """--rampup-batch-size / --step-batch-size-schedule / --decrease-batch-size-if-needed (microbatches.py)."""
     from ..microbatches import batch_problems
 
-    return batch_problems(args, world_size)
+    return batch_problems(args, data_parallel)
 
 
 def _schedule(args, world_size) -> list[str]:
@@ -403,7 +406,7 @@ def _schedule(args, world_size) -> list[str]:
     return problems
 
 
-def _data_parallel(args, world_size) -> list[str]:
+def _data_parallel(args, data_parallel) -> list[str]:
     problems = []
     if args.use_megatron_fsdp and args.use_torch_fsdp2:  # Megatron-LM: the two are exclusive
         problems.append("--use-megatron-fsdp and --use-torch-fsdp2 are mutually exclusive; keep --use-megatron-fsdp")
@@ -427,9 +430,9 @@ def _data_parallel(args, world_size) -> list[str]:
     instances = args.num_distributed_optimizer_instances
     if instances < 1:
         problems.append(f"--num-distributed-optimizer-instances={instances} must be >= 1")
-    elif instances > 1 and world_size % instances:
+    elif instances > 1 and data_parallel % instances:
         problems.append(f"--num-distributed-optimizer-instances={instances} does not divide the data-parallel "
-                        f"size {world_size}; use a divisor of {world_size}")
+                        f"size {data_parallel}; use a divisor of {data_parallel}")
     return problems
 
 
@@ -621,19 +624,21 @@ def derive_fields(args: argparse.Namespace, world_size: int) -> None:
     """Fill Megatron-LM's derived values and parse strings into enums, once."""
     warnings = args.flag_warnings
     args.world_size = world_size
-    args.data_parallel_size = world_size
+    # Batches are counted per data-parallel rank: the TP ranks of one share its batch.
+    data_parallel = args.data_parallel_size = tp_flags.data_parallel_size(args, world_size)
+    warnings += tp_flags.tp_warnings(args)
     if args.global_batch_size is None:
-        args.global_batch_size = args.micro_batch_size * world_size
-    args.num_microbatches = args.global_batch_size // (args.micro_batch_size * world_size)
+        args.global_batch_size = args.micro_batch_size * data_parallel
+    args.num_microbatches = args.global_batch_size // (args.micro_batch_size * data_parallel)
     # Megatron-LM evaluates with its own batch, by default the training one (micro batch x DP with a step schedule).
     if args.eval_global_batch_size is None:
         args.eval_global_batch_size = args.global_batch_size
     if args.eval_micro_batch_size is None:
         args.eval_micro_batch_size = args.micro_batch_size
-    args.eval_num_microbatches = args.eval_global_batch_size // (args.eval_micro_batch_size * world_size)
+    args.eval_num_microbatches = args.eval_global_batch_size // (args.eval_micro_batch_size * data_parallel)
     from ..microbatches import BatchSchedule
 
-    args.batch_schedule = BatchSchedule.from_args(args, world_size)
+    args.batch_schedule = BatchSchedule.from_args(args, data_parallel)
     if args.train_samples is not None:  # Megatron-LM's update_train_iters (ramp-up / step schedule included)
         args.train_iters = args.batch_schedule.train_iters(args.train_samples)
     args.schedule = derive_schedule(args)
@@ -671,7 +676,8 @@ def derive_fields(args: argparse.Namespace, world_size: int) -> None:
         args.vocab_size = BYTE_VOCAB_SIZE
     # Megatron-LM's NullTokenizer (megatron.core.tokenizers) has exactly --vocab-size ids,
     # its end-of-document token being the last of them (the legacy one added an id after).
-    args.padded_vocab_size = (padded_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by)
+    args.padded_vocab_size = (padded_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by,
+                                                args.tensor_model_parallel_size)
                               if args.vocab_size is not None else None)
     if args.plot_path is not None and args.plot_path.lower() == "none":
         args.plot_path = None
@@ -759,9 +765,11 @@ def _megatron_ddp_fields(args) -> None:
     args.megatron_fsdp_grad_comm_dtype = "auto"  # reduced in the buffer's dtype, as Megatron's DDP does
 
 
-def padded_vocab_size(vocab_size: int, divisible_by: int) -> int:
-    """Megatron-LM pads the vocabulary to a multiple of ``divisible_by`` (x TP size, 1 here)."""
-    return int(math.ceil(vocab_size / divisible_by) * divisible_by)
+def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_model_parallel_size: int = 1) -> int:
+    """Megatron-LM pads the vocabulary to a multiple of ``divisible_by`` x the TP size (so
+    every TP rank holds an equal, friendly-sized slice of the embedding and the output layer)."""
+    multiple = divisible_by * tensor_model_parallel_size
+    return int(math.ceil(vocab_size / multiple) * multiple)
 
 
 def raise_problem(message: str) -> None:

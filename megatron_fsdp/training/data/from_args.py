@@ -75,7 +75,11 @@ def build_datasets(args) -> tuple[SampleSource, SampleSource | None]:
 
             import torch.distributed as dist
 
-            rank = dist.get_rank() if dist.is_initialized() else 0
+            from megatron_fsdp.training.parallel_dims import ParallelDims
+
+            rank = 0
+            if dist.is_initialized():  # the TP ranks of a data-parallel rank read its samples
+                rank = ParallelDims.from_args(args, dist.get_world_size()).data_parallel_rank(dist.get_rank())
             return wrap_fim_sources(args, tokenizer, datasets.train, valid, dp_rank=rank)
         return datasets.train, valid
     tokens = load_corpus_tokens(None)
