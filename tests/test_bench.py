@@ -142,3 +142,20 @@ def test_double_buffer_run_moves_the_same_bytes_and_trains_the_same(tmp_path):
             for key, expected in impl["memory"]["expected"].items():
                 assert abs(rank_memory[key] - expected) <= MEMORY_TOLERANCE * max(expected, 1) + 64, (name, key)
         assert impl["max_loss_diff_vs_ddp"] < 1e-5, name
+
+
+def test_tp_row_trains_like_fsdp2_2d_and_like_ddp(record):
+    """The DP 2 x TP 2 row (``--tp 2``, the default): megatron_fsdp ZeRO-3 and FSDP2 2-D
+    on one tensor-parallel GPT report step times and their ratio, and have equal losses
+    at every step; those are the plain DDP run's on the same data (the TP plan computes
+    the unparallelised model)."""
+    row = record[0]["tp_row"]
+    assert (row["dp"], row["tp"], row["world"]) == (2, 2, 4)
+    for name, impl in row["impls"].items():
+        assert impl["step_time_s"]["n"] == 2 and all(t > 0 for t in impl["step_time_s"]["samples"]), name
+    assert row["ratio_to_fsdp2_2d"] > 0
+    assert row["steps_compared"] == 4 and row["max_loss_diff"] < 1e-5, row
+    # One round: a warm-up step and an untimed step come before DDP's measured ones.
+    ddp = record[0]["impls"]["ddp"]["losses_rank0"]
+    tp_losses = row["impls"]["mfsdp_zero3_2d"]["losses_rank0"]
+    assert max(abs(a - b) for a, b in zip(tp_losses[2:], ddp, strict=True)) < 1e-5

@@ -1,7 +1,8 @@
 """The planner's command line: ``python -m megatron_fsdp.tools.plan_cli`` (and ``scripts/plan.py``).
 
-Prints ``plan.py``'s per-rank memory and per-step collectives of a preset GPT, and with
-``--check`` compares them with a build on torch's fake process group (``simulate.py``).
+Prints ``plan.py``'s per-rank memory and per-step collectives of a preset GPT (``--tp N``:
+tensor parallelism, data parallelism over ``--world / N``), and with ``--check`` compares
+them with a build on torch's fake process group (``simulate.py``).
 Its own module because it is the one place that needs both: the simulation builds
 through the plan's requests, so the plan cannot import it back.
 """
@@ -27,7 +28,15 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m megatron_fsdp.tools.plan_cli", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="8b", help=f"preset: {', '.join(model_names())}")
-    parser.add_argument("--world", type=int, default=8, help="data-parallel ranks")
+    parser.add_argument("--world", type=int, default=8, help="ranks in all: data-parallel x tensor-parallel")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="tensor-parallel ranks (dividing --world, the heads, query groups and ffn); "
+                             "the data-parallel size is world / tp")
+    parser.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                        help="pad the vocabulary to a multiple of this times --tp (Megatron-LM's rule)")
+    parser.add_argument("--micro-batch-size", type=int, default=1,
+                        help="sequences per microbatch (sizes the TP activation collectives and --check's steps)")
+    parser.add_argument("--seq-length", type=int, default=None, help="tokens per sequence (default: the preset's)")
     parser.add_argument("--strategy", default="optim_grads_params", help="0-3, a strategy name, or 'all'")
     parser.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16"], help="compute dtype")
     parser.add_argument("--main-params-dtype", default="fp32", choices=list(_DTYPES))
@@ -52,6 +61,10 @@ def requests_from(args: argparse.Namespace) -> list[PlanRequest]:
             main_params_dtype=_DTYPES[args.main_params_dtype],
             main_grads_dtype=_DTYPES[args.main_grads_dtype],
             grad_comm_dtype=_DTYPES[args.grad_comm_dtype],
+            tp=args.tp,
+            make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+            micro_batch_size=args.micro_batch_size,
+            seq_length=args.seq_length,
         )
         for s in strategies
     ]
@@ -59,8 +72,13 @@ def requests_from(args: argparse.Namespace) -> list[PlanRequest]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
+    try:
+        requests = requests_from(args)
+    except ValueError as error:  # a size that does not split, a strategy that does not exist
+        print(f"plan: {error}", file=sys.stderr)
+        return 2
     failed = False
-    for request in requests_from(args):
+    for request in requests:
         plan = make_plan(request)
         record = plan.as_dict()
         if args.check:

@@ -13,25 +13,36 @@ training step here exercises control flow and counts collectives; its numbers
 are meaningless. For large models (``steps=0``) the step's collectives are
 counted from the engine's built groups and units instead of by running it.
 
+With tensor parallelism (``PlanRequest.tp`` > 1) the fake world is a ``(dp, tp)``
+mesh; the meta GPT gets the embedded models' TP plan (``models.tensor_parallel.
+apply_tensor_parallel``, without sequence parallelism) on ``mesh["tp"]`` and is wrapped
+with ``dp_shard_dim="dp", tp_dim="tp"``, so rank 0 holds the TP-local pieces of
+(dp 0, tp 0) sharded over the data-parallel ranks; the plan's own activation
+collectives are recorded apart (``record_tp_collectives``).
+
 The fake group must not meet a real one: run this in a process of its own
 (``python -m megatron_fsdp.tools.plan_cli --check`` does).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..comm.collectives import record_collectives
 from ..enums import ShardingStrategy
 from ..fully_shard import fully_shard
 from ..mixed_precision import MixedPrecisionPolicy
 from ..models.gpt import TransformerBlock, gpt_loss
+from ..models.tensor_parallel import apply_tensor_parallel
 from .plan import Plan, PlanRequest, build_meta_gpt
 
 
@@ -62,7 +73,7 @@ def simulate(request: PlanRequest, *, steps: int = 3) -> dict[str, Any]:
     """Rank 0's persistent bytes, collectives of the last of ``steps`` steps (or of the
     engine's plan when ``steps == 0``), wrap time and host memory."""
     init_fake_world(request.world)
-    module = build_meta_gpt(request.model, request.dtype)
+    module = build_meta_gpt(request.config, request.dtype)
     policy = MixedPrecisionPolicy(
         main_params_dtype=request.main_params_dtype,
         main_grads_dtype=request.main_grads_dtype,
@@ -70,6 +81,11 @@ def simulate(request: PlanRequest, *, steps: int = 3) -> dict[str, Any]:
     )
     rss_before = _rss_bytes()
     start, cpu_start = time.perf_counter(), time.process_time()
+    mesh_kwargs: dict[str, Any] = {}
+    if request.tp > 1:
+        mesh = init_device_mesh("cpu", (request.dp, request.tp), mesh_dim_names=("dp", "tp"))
+        apply_tensor_parallel(module, mesh["tp"], sequence_parallel=False)
+        mesh_kwargs = dict(device_mesh=mesh, dp_shard_dim="dp", tp_dim="tp")
     model, optimizer = fully_shard(
         module,
         lambda params: torch.optim.AdamW(params, lr=1e-4),
@@ -78,6 +94,7 @@ def simulate(request: PlanRequest, *, steps: int = 3) -> dict[str, Any]:
         init_model_with_meta_device=True,
         mixed_precision_policy=policy,
         device=torch.device("cpu"),
+        **mesh_kwargs,
     )
     wrap_s = time.perf_counter() - start
     out: dict[str, Any] = {
@@ -89,7 +106,7 @@ def simulate(request: PlanRequest, *, steps: int = 3) -> dict[str, Any]:
         "memory": {k: v for k, v in model.buffer_accounting.persistent.items() if v},
     }
     if steps > 0:
-        out["step"], out["step_s"] = _run_steps(model, optimizer, steps)
+        out["step"], out["tp_step"], out["step_s"] = _run_steps(model, optimizer, steps, request.tokens)
         out["optimizer_state_source"] = "optimizer.state after the steps"
         out["memory"]["optimizer_state"] = _optimizer_state_bytes(optimizer)
         out["step_source"] = f"step {steps} of {steps} recorded"
@@ -103,21 +120,26 @@ def simulate(request: PlanRequest, *, steps: int = 3) -> dict[str, Any]:
     return out
 
 
-def _run_steps(model, optimizer, steps: int) -> tuple[dict, float]:
-    seq = min(16, model.module.config.seq_length)
-    tokens = torch.randint(0, model.module.config.vocab_size, (1, seq + 1), generator=torch.Generator().manual_seed(0))
+def _run_steps(model, optimizer, steps: int, shape: tuple[int, int]) -> tuple[dict, dict, float]:
+    """The engine's and the TP plan's collectives of the last of ``steps`` steps on
+    ``shape`` = (micro batch, sequence length) tokens, and that step's seconds."""
+    batch, seq = shape
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, model.module.config.vocab_size, (batch, seq + 1), generator=generator)
     last: dict = {}
+    last_tp: dict = {}
     start = time.perf_counter()
     for _ in range(steps):
         start = time.perf_counter()
-        with record_collectives() as rec:
+        with record_collectives() as rec, record_tp_collectives() as tp_rec:
             optimizer.zero_grad()
             gpt_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
             optimizer.step()
         last = {"counts": dict(rec.counts), "bytes": dict(rec.bytes)}
+        last_tp = {"counts": dict(tp_rec.counts), "bytes": dict(tp_rec.bytes)}
     elapsed = time.perf_counter() - start
     model.finish_param_sync()
-    return last, elapsed
+    return last, last_tp, elapsed
 
 
 def _optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -175,4 +197,45 @@ def compare(plan: Plan, measured: dict[str, Any]) -> list[str]:
         planned, got = plan.step[field], measured["step"][field]
         if planned != got:
             problems.append(f"collective {field}: built {got}, planned {planned}")
+        if "tp_step" in measured and plan.tp_step[field] != measured["tp_step"][field]:
+            problems.append(f"tensor-parallel collective {field}: ran {measured['tp_step'][field]}, "
+                            f"planned {plan.tp_step[field]}")
     return problems
+
+
+# -- tensor parallelism --------------------------------------------------------------------
+_FUNCTIONAL_KINDS = {
+    "all_reduce": "all_reduce",
+    "all_gather_into_tensor": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "all_to_all_single": "all_to_all",
+}
+_BOOKKEEPING = ("wait_tensor", "_wrap_tensor_autograd")
+"""Functional ops that move nothing (waiting on, and wrapping, a collective's result)."""
+
+
+class _FunctionalCollectives(TorchDispatchMode):
+    """Counts torch's functional collectives, which DTensor (the TP plan) issues and
+    the engine never does: calls and payload bytes per kind (the larger of input and
+    output, as the engine's recorder counts a gathered or reduced buffer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[str, int] = {}
+        self.bytes: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.namespace == "_c10d_functional" and func._opname not in _BOOKKEEPING:
+            kind = _FUNCTIONAL_KINDS.get(func._opname, func._opname)  # an unknown one shows as itself
+            tensors = [t for t in (args[0], out) if isinstance(t, torch.Tensor)]
+            self.counts[kind] = self.counts.get(kind, 0) + 1
+            self.bytes[kind] = self.bytes.get(kind, 0) + max(t.numel() * t.element_size() for t in tensors)
+        return out
+
+
+@contextlib.contextmanager
+def record_tp_collectives() -> Iterator[_FunctionalCollectives]:
+    """Record the tensor-parallel (DTensor) collectives issued inside the block."""
+    with _FunctionalCollectives() as mode:
+        yield mode
