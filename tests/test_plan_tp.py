@@ -11,10 +11,7 @@ gloo worker pool). The 8B build at world 1024, TP 8 runs with ``MFSDP_SCALE_LARG
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -24,19 +21,9 @@ from megatron_fsdp.models.config import Normalization, PositionEmbeddingType
 from megatron_fsdp.tools.plan import (PlanRequest, check_tp_split, gpt_config, make_plan, model_names,
                                       tp_collectives)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from test_scale import run_plan  # the planner's command line, as test_scale runs it
 LARGE = os.environ.get("MFSDP_SCALE_LARGE") == "1"
 FP32 = dict(dtype=torch.float32, main_params_dtype=torch.float32, main_grads_dtype=torch.float32)
-
-
-def run_plan(*args: str, timeout: float = 600) -> list[dict]:
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    proc = subprocess.run(
-        [sys.executable, "-m", "megatron_fsdp.tools.plan_cli", "--json", *args],
-        capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout,
-    )
-    assert proc.returncode in (0, 1), proc.stderr[-4000:]
-    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
 
 # -- the request ----------------------------------------------------------------------------

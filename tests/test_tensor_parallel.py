@@ -19,7 +19,6 @@ import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import conftest
