@@ -173,10 +173,7 @@ class MegatronFSDP(RefusesCopies, nn.Module):
         self.report_nan_in_param_grads = report_nan_in_param_grad
         self.last_nan_report: list[str] = []
         self._admit(module, allow_meta=init_model_with_meta_device)
-        self.replaced_params: dict[int, nn.Parameter] = {}
-        """id(a DTensor parameter of a TP plan) -> the plain parameter that replaced it."""
-        partial_tp_grads = self._partial_tp_grad_ops(module)  # read before wrapping: the marks are the module's
-        self._tp_specs = extract_tensor_parallel(module, self.dist_index.tp_mesh, self.replaced_params)
+        partial_tp_grads = self._take_tensor_parallel(module)
         self.module = module
         self._te_hooks = te_compat.prepare_fused_wgrad(module, self.mp_policy.grads_dtype_for)
         WRAPPED[module] = self
@@ -189,9 +186,8 @@ class MegatronFSDP(RefusesCopies, nn.Module):
             self.init_peak_param_bytes = materialize_meta_module(module, buffer, self.device)
         self._start_runtime(units, sync_model_each_microbatch=sync_model_each_microbatch,
                             broadcast_buffers=broadcast_buffers)
-        tp_mesh = self.dist_index.tp_mesh
-        self._tp_grad_hooks = mcore_compat.reduce_partial_tp_grads(self, partial_tp_grads, tp_mesh.get_group()) \
-            if partial_tp_grads else []
+        self._tp_grad_hooks = mcore_compat.reduce_partial_tp_grads(
+            self, partial_tp_grads, self.dist_index.tp_mesh.get_group()) if partial_tp_grads else []
         guard_module(module)  # copies, pickles and moves of the wrapped module raise from here on
 
     def _apply(self, fn, recurse: bool = True) -> "MegatronFSDP":
@@ -268,6 +264,17 @@ class MegatronFSDP(RefusesCopies, nn.Module):
         te_compat.check_supported(module)  # before any buffer: FP8 parameters cannot be repointed
         streams.check_torch_for_device(self.device)
         sync_initial_state(module, self.dist_index, collectives.as_timeout(self.ddp_config.collective_timeout_s))
+
+    def _take_tensor_parallel(self, module: nn.Module) -> dict:
+        """buffers/tensor_parallel.py [Note: tensor-parallel parameters]: a TP plan's DTensor
+        parameters become plain local ones (``replaced_params``), each parameter gets its
+        ``TPSpec``; returns the partial TP gradients to complete (read before wrapping: the
+        marks are the module's parameters')."""
+        partial_tp_grads = self._partial_tp_grad_ops(module)
+        self.replaced_params: dict[int, nn.Parameter] = {}
+        """id(a DTensor parameter of a TP plan) -> the plain parameter that replaced it."""
+        self._tp_specs = extract_tensor_parallel(module, self.dist_index.tp_mesh, self.replaced_params)
+        return partial_tp_grads
 
     def _partial_tp_grad_ops(self, module: nn.Module) -> dict:
         """Megatron-core's tensor-parallel layers leave some replicated parameters' gradients

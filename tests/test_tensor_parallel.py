@@ -102,7 +102,7 @@ def parity_worker(rank, world, *, layout: Layout, strategy, opt="sgd", sp=False,
     return result
 
 
-def _assert_exact(results, tp_dims=("dp_shard", "tp")):
+def _assert_exact(results):
     for r in results:
         assert r["diff"] < TOL, r
         assert r["sd_diff"] < TOL, r
