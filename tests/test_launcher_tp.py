@@ -11,20 +11,28 @@
   and under Megatron-core DDP on the engine.
 * A DP 2 x TP 2 torch_dist checkpoint resumes at DP 4 x TP 1 (and the other way round)
   as the uninterrupted run continues.
+* megatron-core's GPTModel (``--use-mcore-models``, GeLU) at DP 2 x TP 2 under
+  Megatron-FSDP equals the same model at DP 4 x TP 1 per iteration: megatron-core draws
+  each TP weight whole on CPU (``use_cpu_initialization``) and keeps its rank's piece, so
+  both runs start from the same weights. Its CUDA calls are bridged by tests/mcore_cpu_shim.py.
 * With ``MFSDP_TP_LONG=1``, world 8: HSDP (2 optimizer instances) x DP 2 x TP 2 with
   sequence parallelism equals PyTorch DDP over 8 ranks.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import os
 import shlex
+from unittest import mock
 
 import pytest
+import torch
 
 import conftest
-from launcher_inprocess import run_launcher
+from launcher_inprocess import LogLines, pretrain_script, run_launcher
 from megatron_fsdp.training.args.arguments import ArgumentError, parse_args
 
 TOL = 1e-5
@@ -85,8 +93,12 @@ def test_sequence_parallel_at_tp1_warns_and_is_off():
 @pytest.mark.parametrize("flags, world, words", [
     (TP2, 3, "does not divide the world size 3"),
     ("--tensor-model-parallel-size 2 ", 4, "PyTorch DDP does not take DTensor parameters"),
-    (TP2 + "--use-mcore-models ", 4, "with --use-mcore-models"),
     (TP2 + "--num-experts 4 ", 4, "train MoE models at TP 1"),
+    (TP2 + "--use-mcore-models --sequence-parallel ", 4, "WrappedTorchNorm refuses sequence_parallel"),
+    (TP2 + "--use-mcore-models ", 4, "partition_stride=2"),  # the Llama-style model is SwiGLU
+    (TP2 + "--use-mcore-models --num-experts 4 ", 4, "train MoE models at TP 1"),
+    ("--use-distributed-optimizer --tensor-model-parallel-size 2 --use-mcore-models ", 4,
+     "--use-mcore-models without --use-megatron-fsdp"),
     (TP2 + "--ckpt-format torch ", 4, "use --ckpt-format torch_dist"),
     (TP2.replace("optim_grads_params", "optim") + "--check-weight-hash-across-dp-replicas-interval 2 ", 4,
      "TP ranks hold different pieces"),
@@ -141,6 +153,52 @@ def test_checkpoint_resumes_at_another_tensor_parallel_size(pool4, tmp_path, fir
     for key in ("lm_loss", "grad_norm"):
         assert resumed[key] == pytest.approx(full[key][2:], rel=0, abs=TOL), key
     assert abs(resumed["lm_loss"][0] - full["lm_loss"][0]) > 1e-3  # it continued from the saved weights
+
+
+def mcore_run_task(rank: int, world: int, *, flags: str) -> tuple[list[str], int]:
+    """``run_task`` for megatron-core's GPTModel on CPU (validation told CUDA is there: it
+    refuses --use-mcore-models without; megatron-core's CUDA calls bridged by the shim),
+    with megatron-core's TP size after the run and the whole-model parameter count logged."""
+    from megatron.core import parallel_state
+
+    from mcore_cpu_shim import cpu_shim
+    from megatron_fsdp.comm import device as device_mod
+    from megatron_fsdp.models import mcore as mcore_models
+
+    with mock.patch.object(device_mod, "cuda_available", lambda: True), \
+            mock.patch.object(device_mod, "cuda_device_count", lambda: world):
+        args = parse_args(shlex.split(flags + "--distributed-backend nccl"), world_size=world)
+    root, handler = logging.getLogger(), LogLines()
+    level = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    try:
+        with cpu_shim(), mock.patch.object(mcore_models, "build_mcore_gpt",
+                                           functools.partial(mcore_models.build_mcore_gpt, allow_cpu=True)):
+            pretrain_script().run(args, torch.device("cpu"))
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+    lines = [line for line in handler.lines if "tensor parallelism" in line or "number of parameters" in line]
+    return lines, parallel_state.get_tensor_model_parallel_world_size()
+
+
+def test_mcore_dp2_tp2_equals_dp4(pool4, tmp_path):
+    pytest.importorskip("megatron.core")
+    flags = MODELS["gpt"] + COMMON + FSDP + ("--use-mcore-models --mock-data --tokenizer-type NullTokenizer "
+                                             "--vocab-size 64 --make-vocab-size-divisible-by 16 ")
+    results = {}
+    for name, extra in (("dp4", ""), ("dp2xtp2", "--tensor-model-parallel-size 2 ")):
+        path = tmp_path / f"{name}.json"
+        (lines, tp), *_ = pool4.run(mcore_run_task, flags=flags + extra + f"--log-json {path} ")
+        assert tp == (2 if name == "dp2xtp2" else 1) and any("tensor parallelism" in line for line in lines) == (tp > 1)
+        results[name] = _metrics(path), [line for line in lines if "number of parameters" in line]
+    (reference, ref_count), (got, count) = results["dp4"], results["dp2xtp2"]
+    assert count == ref_count and len(count) == 1, (count, ref_count)  # TP pieces counted whole
+    assert reference["iterations"] == [1, 2, 3, 4] and reference["lm_loss"][-1] < reference["lm_loss"][0]
+    for key in ("lm_loss", "grad_norm"):
+        assert got[key] == pytest.approx(reference[key], rel=0, abs=TOL), (key, got[key], reference[key])
+    assert [v for _, v in got["validation"]] == pytest.approx([v for _, v in reference["validation"]], rel=0, abs=TOL)
 
 
 @pytest.mark.skipif(os.environ.get("MFSDP_TP_LONG") != "1", reason="world 8 (a pool of 8 processes): set "

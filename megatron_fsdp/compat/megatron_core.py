@@ -237,8 +237,9 @@ def transformer_config_from_args(args: Any):
 
     Required: ``num_layers``, ``hidden_size``, ``num_attention_heads``. Everything
     else falls back to Megatron-LM's defaults (dropout 0.1, LayerNorm, GELU MLP of
-    4 x hidden, biases on) except ``use_cpu_initialization``, which defaults to
-    "no CUDA available".
+    4 x hidden, biases on, TP 1) except ``use_cpu_initialization``, which defaults to
+    "no CUDA available" (megatron-core then draws each TP weight whole from torch's
+    global RNG and keeps its rank's piece, so the weights do not depend on the TP size).
     """
     require_megatron_core("transformer_config_from_args")
     from megatron.core.transformer import TransformerConfig
@@ -269,6 +270,7 @@ def transformer_config_from_args(args: Any):
         fp16=dtype is torch.float16,
         use_cpu_initialization=_arg(args, "use_cpu_initialization", not device.cuda_available()),
         calculate_per_token_loss=bool(getattr(args, "calculate_per_token_loss", False)),
+        tensor_model_parallel_size=_arg(args, "tensor_model_parallel_size", 1),
         # Fused kernels come from TransformerEngine/apex/CUDA; the local spec runs without them.
         masked_softmax_fusion=False,
         bias_activation_fusion=False,

@@ -103,7 +103,7 @@ def _decoder_spec(cfg: GPTConfig, config):
 
 
 def mcore_args(cfg: GPTConfig, *, seed: int = 1234, params_dtype: torch.dtype = torch.float32,
-               calculate_per_token_loss: bool = False) -> argparse.Namespace:
+               calculate_per_token_loss: bool = False, tensor_model_parallel_size: int = 1) -> argparse.Namespace:
     """``cfg`` under Megatron-LM's argument names (what ``transformer_config_from_args`` reads)."""
     return argparse.Namespace(
         num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
@@ -116,7 +116,7 @@ def mcore_args(cfg: GPTConfig, *, seed: int = 1234, params_dtype: torch.dtype = 
         position_embedding_type=cfg.position_embedding_type.value, rotary_base=cfg.rotary_base,
         rotary_percent=cfg.rotary_percent, seed=seed,
         bf16=params_dtype is torch.bfloat16, fp16=params_dtype is torch.float16,
-        calculate_per_token_loss=calculate_per_token_loss,
+        calculate_per_token_loss=calculate_per_token_loss, tensor_model_parallel_size=tensor_model_parallel_size,
     )
 
 
@@ -196,8 +196,9 @@ def build_mcore_gpt(cfg: GPTConfig, *, seed: int = 1234, params_dtype: torch.dty
     multi-token prediction block (mcore_mtp.py).
 
     Needs megatron-core and an initialised ``torch.distributed`` (its parallel state
-    is set up for TP = PP = EP = 1 if it is not yet). Weights come from torch's
-    global RNG: seed it first for reproducible weights."""
+    is set up for TP = PP = EP = 1 if it is not yet). The model is built for the
+    parallel state's TP size (its TP layers split their weights over that group).
+    Weights come from torch's global RNG: seed it first for reproducible weights."""
     from megatron_fsdp.compat.megatron_core import ensure_model_parallel_initialized, require_megatron_core
 
     require_megatron_core("build_mcore_gpt (--use-mcore-models)")
@@ -211,13 +212,15 @@ def build_mcore_gpt(cfg: GPTConfig, *, seed: int = 1234, params_dtype: torch.dty
             "torch.cuda.current_device() and forks the CUDA RNG tracker on every forward, and this torch has no "
             "CUDA. Train the embedded GPT on CPU (drop --use-mcore-models), run on a GPU, or pass allow_cpu=True "
             "if you bridge those calls yourself (as tests/mcore_cpu_shim.py does)")
-    from megatron.core import tensor_parallel
+    from megatron.core import parallel_state, tensor_parallel
     from megatron.core.models.gpt import GPTModel
 
     ensure_model_parallel_initialized()
     if cfg.num_moe_experts:
         _define_missing_te_gemm()
-    args = mcore_args(cfg, seed=seed, params_dtype=params_dtype, calculate_per_token_loss=calculate_per_token_loss)
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    args = mcore_args(cfg, seed=seed, params_dtype=params_dtype, calculate_per_token_loss=calculate_per_token_loss,
+                      tensor_model_parallel_size=tp)
     config = _transformer_config(cfg, args, cross_entropy_loss_fusion=cross_entropy_loss_fusion)
     if device.cuda_available() and not tensor_parallel.get_cuda_rng_tracker().is_initialized():
         tensor_parallel.model_parallel_cuda_manual_seed(seed)

@@ -5,7 +5,9 @@ from the parsed flags.
 With ``--tensor-model-parallel-size`` > 1 the embedded GPT is split by its tensor-parallel
 plan (``models/tensor_parallel.py``) on the mesh's ``tp`` dimension before Megatron-FSDP
 wraps it over the data-parallel dimensions (ranks in Megatron-LM's order:
-parallel_dims.py, [Note: rank order]).
+parallel_dims.py, [Note: rank order]). Megatron-core's GPTModel is built with its own TP
+layers on megatron-core's parallel state, initialised here with the TP size in the same
+order, and its ``FullyShardedDataParallel`` takes the mesh from those groups.
 
 The embedded GPT (``megatron_fsdp.models.gpt``) is the default; ``--use-mcore-models``
 swaps in Megatron-core's GPTModel with the same architecture through
@@ -97,17 +99,48 @@ def _local_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 def _parallel_layout(args, device: torch.device):
     """(``ParallelDims``, the wrapper's TP / HSDP mesh or None, the data-parallel group or
-    None for every rank). Collective. Megatron-core's adapter and the PyTorch wrappers lay
-    out their own groups."""
+    None for every rank). Collective. Megatron-core models get megatron-core's parallel
+    state instead (``_mcore_parallel_state``), from whose groups its adapter builds the
+    mesh; the PyTorch wrappers lay out their own groups."""
     dims = ParallelDims.from_args(args, dist.get_world_size() if dist.is_initialized() else 1)
-    if args.dp_path not in (DataParallelPath.MEGATRON_FSDP, DataParallelPath.MEGATRON_DDP) or args.use_mcore_models:
-        if dims.tp > 1:  # validation refuses these (tp_flags.py); a caller that skipped it learns why here
-            raise ValueError(f"--tensor-model-parallel-size {dims.tp} needs the embedded GPT under Megatron-FSDP or "
-                             f"Megatron-core DDP on this engine, not {args.dp_path.name} (use_mcore_models="
-                             f"{args.use_mcore_models}); add --use-megatron-fsdp and drop --use-mcore-models")
+    # validation refuses these (tp_flags.py); a caller that skipped it learns why here
+    if args.use_mcore_models:
+        if dims.tp > 1 and args.dp_path is not DataParallelPath.MEGATRON_FSDP:
+            raise ValueError(f"--tensor-model-parallel-size {dims.tp} with --use-mcore-models needs Megatron-FSDP "
+                             f"(megatron-core's TP layers in its FullyShardedDataParallel), not "
+                             f"{args.dp_path.name}; add --use-megatron-fsdp")
+        return dims, None, _mcore_parallel_state(dims) if dist.is_initialized() else None
+    if args.dp_path not in (DataParallelPath.MEGATRON_FSDP, DataParallelPath.MEGATRON_DDP):
+        if dims.tp > 1:
+            raise ValueError(f"--tensor-model-parallel-size {dims.tp} needs Megatron-FSDP or Megatron-core DDP on "
+                             f"this engine, not {args.dp_path.name}; add --use-megatron-fsdp")
         return dims, None, None
     mesh = dims.build_mesh(device_mod.mesh_device_type(device))
     return dims, mesh, dims.data_parallel_group(mesh)
+
+
+def _mcore_parallel_state(dims: ParallelDims) -> Optional[dist.ProcessGroup]:
+    """Megatron-core's parallel state for ``dims.tp`` (megatron-core's default order, TP
+    fastest, is [Note: rank order]'s), re-initialised when a state of another TP size is
+    there (a process that trained another run: the test pools); returns its data-parallel
+    group, or None at TP 1 (every rank). Its adapter builds the mesh from these groups
+    (mcore_fsdp_adapter.build_dist_index)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized() and ps.get_tensor_model_parallel_world_size() != dims.tp:
+        ps.destroy_model_parallel()  # forgets the groups, leaves them open (they may back cached meshes)
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(tensor_model_parallel_size=dims.tp, pipeline_model_parallel_size=1,
+                                     create_gloo_process_groups=False)
+    if dims.tp == 1:
+        return None
+    group = ps.get_data_parallel_group()
+    ranks, me = dist.get_process_group_ranks(group), dist.get_rank()
+    expected = [d * dims.tp + me % dims.tp for d in range(dims.dp)]
+    if ranks != expected:  # a state another caller initialised with another order
+        raise ValueError(f"megatron-core's data-parallel group {ranks} of rank {me} is not Megatron-LM's TP-fastest "
+                         f"{expected}; initialise its parallel state with the default order (tp-cp-ep-dp-pp)")
+    return group
 
 
 def setup_model_and_optimizer(args, device: torch.device) -> ModelBundle:
@@ -120,7 +153,7 @@ def setup_model_and_optimizer(args, device: torch.device) -> ModelBundle:
     if dims.tp > 1:
         logger.info("> tensor parallelism: %d ranks per data-parallel rank x %d data-parallel ranks%s", dims.tp,
                     dims.dp, ", sequence parallel" if dims.sequence_parallel else "")
-    num_parameters = sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
+    num_parameters = _whole_model_numel(module, dims.tp if args.use_mcore_models else 1)
     dtype = _PRECISION_DTYPES[args.precision]
     if args.dp_path is DataParallelPath.TORCH_DDP:
         model = _wrap_ddp(module, args, device)
@@ -147,6 +180,13 @@ def setup_model_and_optimizer(args, device: torch.device) -> ModelBundle:
                        moe_balancing=balancing, mtp=mtp if args.use_mcore_models else None,
                        data_parallel_rank=dims.data_parallel_rank(dist.get_rank()),
                        data_parallel_group=dp_group)
+
+
+def _whole_model_numel(module: nn.Module, tp: int) -> int:
+    """The whole model's parameter count (the FLOPs estimate reads it): megatron-core's TP
+    weights (``tensor_model_parallel``) hold 1 / ``tp`` of theirs; DTensors count whole."""
+    params = {id(p): p for p in module.parameters()}.values()
+    return sum(p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else 1) for p in params)
 
 
 # -- models -----------------------------------------------------------------------

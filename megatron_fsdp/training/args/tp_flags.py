@@ -4,8 +4,9 @@ value and the fix each) before any process group, warnings for what has no effec
 the data-parallel size the batch rules use.
 
 Tensor parallelism here is the embedded GPT's DTensor plan (``models/tensor_parallel.py``)
-under Megatron-FSDP or Megatron-core DDP on this engine (``model_setup.py`` lays the ranks
-out as Megatron-LM: TP fastest). What the plan or the launcher cannot run with it yet is
+under Megatron-FSDP or Megatron-core DDP on this engine, or megatron-core's own TP layers
+(``--use-mcore-models``) under Megatron-FSDP (``model_setup.py`` lays the ranks out as
+Megatron-LM: TP fastest). What the plan or the launcher cannot run with it yet is
 refused by name. Pure argument handling, no torch.
 """
 
@@ -46,9 +47,6 @@ def _unsupported(args: argparse.Namespace, flag: str) -> list[str]:
     torch_ddp = not (args.use_megatron_fsdp or args.use_torch_fsdp2 or args.use_distributed_optimizer or args.bf16
                      or args.fp16 or args.ddp_average_in_collective)
     refused = [
-        (args.use_mcore_models, "--use-mcore-models", "megatron-core's own TP layers are not wired into this "
-                                                       "launcher; drop --use-mcore-models (the embedded GPT has a "
-                                                       "TP plan)"),
         (args.num_experts is not None, "--num-experts", "expert parallelism with TP is not implemented; train MoE "
                                                          "models at TP 1"),
         (args.multi_latent_attention, "--multi-latent-attention", "MLA has no TP plan here yet; use TP 1"),
@@ -68,7 +66,28 @@ def _unsupported(args: argparse.Namespace, flag: str) -> list[str]:
         (args.optimizer == "muon", "--optimizer muon", "Muon orthogonalises whole matrices, and their TP pieces are "
                                                         "not gathered here; use adam or sgd"),
     ]
+    refused += _mcore_refused(args) if args.use_mcore_models else []
     return [f"{flag} with {name}: {why}" for on, name, why in refused if on]
+
+
+def _mcore_refused(args: argparse.Namespace) -> list[tuple[bool, str, str]]:
+    """megatron-core's GPTModel (``--use-mcore-models``) with its own TP layers: what its
+    local spec or this launcher cannot run with TP."""
+    return [
+        (not args.use_megatron_fsdp, "--use-mcore-models without --use-megatron-fsdp",
+         "megatron-core's TP layers are wired into Megatron-FSDP's FullyShardedDataParallel only; add "
+         "--use-megatron-fsdp"),
+        (args.sequence_parallel, "--use-mcore-models and --sequence-parallel",
+         "megatron-core's local-spec norms cannot run sequence-parallel here: FusedLayerNorm needs apex (absent, "
+         "and CUDA-only) and its torch fallback WrappedTorchNorm refuses sequence_parallel; drop "
+         "--sequence-parallel (or train the embedded GPT)"),
+        (args.swiglu, "--use-mcore-models and --swiglu", "megatron-core's SwiGLU linear_fc1 holds [gate | up] "
+                                                         "per TP rank (partition_stride=2), an interleaved layout "
+                                                         "Megatron-FSDP refuses; use GeLU, or TP 1"),
+        (args.num_distributed_optimizer_instances > 1, "--use-mcore-models and "
+         "--num-distributed-optimizer-instances > 1", "the launcher does not build megatron-core's HSDP groups "
+                                                      "with TP; use 1 instance, or TP 1"),
+    ]
 
 
 def _indivisible(args: argparse.Namespace, flag: str, tp: int) -> list[str]:
