@@ -2,7 +2,9 @@
 [Note: tensor-parallel modules]): a model tensor-parallelised with PyTorch's DTensor
 plans on ``mesh["tp"]`` and sharded per block with ``fully_shard(block, mesh=mesh["dp"])``
 trains like one process training the same full model on the global batch, for every
-data-parallel placement, with and without sequence parallelism and gradient clipping;
+data-parallel placement, with and without sequence parallelism and gradient clipping,
+and with each block's MLP recomputed in backward (reentrant or not); in bf16 with fp32
+main weights, it is off an fp32 run by at most twice the same bf16 training without TP;
 like PyTorch FSDP2 on the same TP model (weights and clipped norms); its parameters and
 state dicts are DTensors over (dp, tp) whose ``full_tensor()`` is the whole weight;
 ``nn.init`` on a meta-built model after sharding equals the eager init; its DCP
@@ -19,6 +21,7 @@ import copy
 import math
 import os
 import tempfile
+from typing import Optional
 
 import pytest
 import torch
@@ -27,8 +30,10 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+from torch.utils.checkpoint import checkpoint
 
 import conftest
+from megatron_fsdp import MixedPrecisionPolicy
 from megatron_fsdp.experimental import (
     FsdpModule, Placements, full_state_dict, fully_shard, fully_shard_context, fully_shard_optimizer,
     load_checkpoint, microbatch, save_checkpoint,
@@ -42,10 +47,12 @@ LONG = os.environ.get("MFSDP_TP_LONG") == "1"
 # -- the model and its torchtitan-style plan --------------------------------------------------
 class Block(nn.Module):
     """Pre-norm block: a token-mixing stand-in for attention (value projection,
-    causal mean over the sequence, output projection) and an MLP."""
+    causal mean over the sequence, output projection) and an MLP, recomputed in
+    backward (``torch.utils.checkpoint``) when ``recompute`` names ``use_reentrant``."""
 
     def __init__(self) -> None:
         super().__init__()
+        self.recompute: Optional[bool] = None
         self.attn_norm = nn.LayerNorm(D)
         self.wv = nn.Linear(D, D)
         self.wo = nn.Linear(D, D)
@@ -57,7 +64,12 @@ class Block(nn.Module):
         v = self.wv(self.attn_norm(x))  # (batch, SEQ, D / tp): every position, this rank's columns
         steps = torch.arange(1, v.shape[1] + 1, dtype=v.dtype, device=v.device).view(1, -1, 1)
         x = x + self.wo(v.cumsum(dim=1) / steps)
-        return x + self.w2(F.silu(self.w1(self.mlp_norm(x))))
+        if self.recompute is None:
+            return x + self.mlp(x)
+        return x + checkpoint(self.mlp, x, use_reentrant=self.recompute)
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(self.mlp_norm(x))))  # (batch, SEQ / tp, D) with sp
 
 
 class Net(nn.Module):
@@ -166,12 +178,12 @@ def train_reference(model: nn.Module, data, *, opt: str, clip: float, chunks: in
 
 
 # -- sharding and training through the experimental API ----------------------------------------
-def shard(model: Net, dp_mesh, placements: Placements):
+def shard(model: Net, dp_mesh, placements: Placements, policy: Optional[MixedPrecisionPolicy] = None):
     """Blocks first, then the root (which keeps the embedding, final norm and head)."""
     with fully_shard_context() as context:
         for block in model.blocks:
-            fully_shard(block, mesh=dp_mesh, placements=placements)
-        fully_shard(model, mesh=dp_mesh, placements=placements)
+            fully_shard(block, mesh=dp_mesh, placements=placements, mixed_precision_policy=policy)
+        fully_shard(model, mesh=dp_mesh, placements=placements, mixed_precision_policy=policy)
     return context
 
 
@@ -304,6 +316,95 @@ def fsdp2_worker(rank, world, *, steps=3, micro=2):
 def test_equals_fsdp2_on_the_same_tp_model(pool4):
     for diff, norm_diff, same_names in pool4.run(fsdp2_worker):
         assert same_names and diff < TOL and norm_diff < TOL, (diff, norm_diff)
+
+
+# -- bf16 compute, fp32 main weights -----------------------------------------------------------
+def bf16_worker(rank, world, *, placement, steps=3):
+    """The model converted to bf16 before the plan, fp32 main weights: through DP 2 x TP 2
+    and without TP (DP 4), each against the same training in fp32 (DP 4) from the same
+    bf16-rounded start. Every layout sees the same global batch (8 sequences: 2 replicas x
+    2 microbatches, or 4 x 1). The TP run's error is bf16 rounding, of the size of the
+    DP-only run's, not a wrong weight. SGD, not AdamW: AdamW's normalised step turns the
+    rounding of a tiny gradient into a whole step, which would hide a wrong gradient."""
+    policy = MixedPrecisionPolicy(main_params_dtype=torch.float32)
+    results, seen, main_dtypes = {}, [], set()
+    for tp, dtype in ((2, torch.bfloat16), (1, torch.bfloat16), (1, torch.float32)):
+        torch.manual_seed(0)
+        model = Net().to(torch.bfloat16).to(dtype)  # one start: the bf16-rounded weights
+        mesh, dp_mesh, replicas = make_mesh(world, tp, hybrid=False)
+        if tp > 1:
+            apply_tp_plan(model, mesh["tp"], sp=True)
+        context = shard(model, dp_mesh, placements_for(placement), policy)
+        if tp > 1:  # what the block computes with (after fully_shard's pre-hook gathered): bf16 TP pieces
+            model.blocks[0].register_forward_pre_hook(lambda block, _args: seen.append(_compute_view(block.w1.weight)))
+        optimizer = make_optimizer("sgd", model.parameters())
+        fully_shard_optimizer(optimizer)
+        micro = world // replicas
+        train(model, context, optimizer, batches(steps, replicas, micro), replicas=replicas,
+              replica=dp_rank(mesh, dp_mesh), micro=micro, clip=0.0)
+        results[(tp, dtype)] = full_state_dict(model)
+        if tp > 1:
+            main_dtypes = {p.dtype for p in model.parameters()}  # the sharded (optimizer) parameters
+    exact = results[(1, torch.float32)]
+    torch.manual_seed(0)
+    initial = {n: p.detach().float() for n, p in Net().to(torch.bfloat16).named_parameters()}
+
+    def error(key):
+        return max((results[key][k].float() - exact[k]).abs().max().item() for k in exact)
+
+    return {
+        "tp_error": error((2, torch.bfloat16)),
+        "dp_error": error((1, torch.bfloat16)),
+        "moved": _max_diff(exact, initial),
+        "full_dtypes": {v.dtype for v in results[(2, torch.bfloat16)].values()},
+        "main_dtypes": main_dtypes,
+        "compute_view": set(seen),
+    }
+
+
+def _compute_view(weight) -> tuple:
+    return type(weight).__name__, weight.dtype, tuple(weight.to_local().shape)
+
+
+@pytest.mark.parametrize("placement", ["zero3", "zero1"])
+def test_bf16_compute_fp32_main_through_tp_equals_dp_only(pool4, placement):
+    for r in pool4.run(bf16_worker, placement=placement):
+        assert r["full_dtypes"] == r["main_dtypes"] == {torch.float32}, r
+        assert r["compute_view"] == {("DTensor", torch.bfloat16, (D, D))}, r
+        assert 0 < r["tp_error"] <= 2 * r["dp_error"], r
+        assert r["dp_error"] < r["moved"] / 10, r  # rounding, well below what training moved
+
+
+# -- activation recomputation -------------------------------------------------------------------
+def recompute_worker(rank, world, *, use_reentrant, placement="zero3", steps=2, micro=2):
+    """Every block's MLP (sequence-parallel norm, Colwise w1, Rowwise w2) recomputed in
+    backward, at DP 2 x TP 2 with sequence parallelism and clipping: the same training as
+    one process running the full model without recomputation."""
+    reference, model, context, mesh, dp_mesh, replicas = build(world, tp=2, placement=placement, sp=True)
+    for block in model.blocks:
+        block.recompute = use_reentrant
+    in_backward = []  # per run of the first block's w1: once in forward, once when backward recomputes it
+    model.blocks[0].w1.register_forward_hook(
+        lambda _m, _args, _out: in_backward.append(torch._C._current_graph_task_id() != -1))
+    optimizer = make_optimizer("adamw", model.parameters())
+    fully_shard_optimizer(optimizer)
+    data = batches(steps, replicas, micro)
+    norms = train(model, context, optimizer, data, replicas=replicas, replica=dp_rank(mesh, dp_mesh), micro=micro,
+                  clip=0.05)
+    ref_norms = train_reference(reference, data, opt="adamw", clip=0.05, chunks=replicas * micro)
+    return {
+        "diff": _max_diff(full_state_dict(model), {n: p.detach() for n, p in reference.named_parameters()}),
+        "norm_diff": max(abs(a - b) for a, b in zip(norms, ref_norms)),
+        "recomputed": in_backward == [False, True] * (steps * micro),
+        "resting": all(m.phase is FsdpModule.Phase.RESTING for m in context.forward_order),
+    }
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non_reentrant"])
+def test_recomputed_mlp_with_sequence_parallel_equals_one_process(pool4, use_reentrant):
+    for r in pool4.run(recompute_worker, use_reentrant=use_reentrant):
+        assert r["recomputed"], r  # the MLP did run again, inside each backward
+        assert r["diff"] < TOL and r["norm_diff"] < TOL and r["resting"], r
 
 
 # -- meta-device init --------------------------------------------------------------------------
