@@ -260,7 +260,8 @@ def _assert_exact(results, dims=("dp", "tp")):
         assert r["meshes"] == [dims] and r["resting"], r
 
 
-PLACEMENTS = ["zero3", "zero2", "zero1", "no_shard"]
+_LONG_ONLY = pytest.mark.skipif(not LONG, reason="more placements: MFSDP_TP_LONG=1 (the suite's time budget)")
+PLACEMENTS = ["zero3", pytest.param("zero2", marks=_LONG_ONLY), pytest.param("zero1", marks=_LONG_ONLY), "no_shard"]
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
@@ -366,7 +367,7 @@ def _compute_view(weight) -> tuple:
     return type(weight).__name__, weight.dtype, tuple(weight.to_local().shape)
 
 
-@pytest.mark.parametrize("placement", ["zero3", "zero1"])
+@pytest.mark.parametrize("placement", ["zero3", pytest.param("zero1", marks=_LONG_ONLY)])
 def test_bf16_compute_fp32_main_through_tp_equals_dp_only(pool4, placement):
     for r in pool4.run(bf16_worker, placement=placement):
         assert r["full_dtypes"] == r["main_dtypes"] == {torch.float32}, r
@@ -429,7 +430,7 @@ def meta_init_worker(rank, world, *, placement):
     return _max_diff(full_state_dict(model), {n: p.detach() for n, p in eager.named_parameters()})
 
 
-@pytest.mark.parametrize("placement", ["zero3", "no_shard"])
+@pytest.mark.parametrize("placement", ["zero3", pytest.param("no_shard", marks=_LONG_ONLY)])
 def test_meta_init_after_sharding_equals_eager_init(pool4, placement):
     assert max(pool4.run(meta_init_worker, placement=placement)) == 0.0
 

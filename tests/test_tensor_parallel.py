@@ -147,12 +147,6 @@ def test_world8_layouts(strategy, case, opt):
     _assert_exact(conftest.get_pool(8).run(parity_worker, strategy=strategy, opt=opt, sp=True, clip=0.05, **case))
 
 
-@pytest.mark.skipif(LONG, reason="the world-8 grid covers it")
-def test_hsdp_world8_one_case():
-    _assert_exact(conftest.get_pool(8).run(parity_worker, layout=Layout(dp=2, tp=2, outer=2),
-                                           strategy="optim_grads_params", opt="adamw", sp=True, clip=0.05))
-
-
 # -- bf16 compute, fp32 main weights ------------------------------------------------------------
 def bf16_worker(rank, world, *, strategy, steps=3):
     """bf16 compute with fp32 main weights: through TP and without (DP 4), each against the
@@ -373,7 +367,8 @@ def fsdp2_worker(rank, world, *, opt, steps=3, micro=2):
     return max((full["fsdp2"][n] - full["megatron_fsdp"][n]).abs().max().item() for n in full["fsdp2"])
 
 
-@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+@pytest.mark.parametrize("opt", [pytest.param("sgd", marks=pytest.mark.skipif(not LONG, reason="MFSDP_TP_LONG=1")),
+                                 "adamw"])
 def test_same_script_as_fsdp2(pool4, opt):
     assert max(pool4.run(fsdp2_worker, opt=opt)) < TOL
 
