@@ -33,6 +33,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.utils.checkpoint import checkpoint
 
 import conftest
+from tp_models import plan_embedding_and_head
 from megatron_fsdp import MixedPrecisionPolicy
 from megatron_fsdp.experimental import (
     FsdpModule, Placements, full_state_dict, fully_shard, fully_shard_context, fully_shard_optimizer,
@@ -101,13 +102,7 @@ def apply_tp_plan(model: Net, tp_mesh, *, sp: bool) -> Net:
         if sp:
             plan.update(attn_norm=SequenceParallel(), mlp_norm=SequenceParallel())
         parallelize_module(block, tp_mesh, plan)
-    top = {
-        "emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
-        "out": ColwiseParallel(input_layouts=seq, output_layouts=Replicate()),
-    }
-    if sp:
-        top["norm"] = SequenceParallel()
-    parallelize_module(model, tp_mesh, top)
+    plan_embedding_and_head(model, tp_mesh, sp=sp)
     return model
 
 

@@ -68,6 +68,16 @@ def apply_tp_plan(model: TPNet, tp_mesh: DeviceMesh, *, sp: bool) -> TPNet:
         if sp:
             plan["norm"] = SequenceParallel()
         parallelize_module(block, tp_mesh, plan)
+    plan_embedding_and_head(model, tp_mesh, sp=sp)
+    if tied:  # both Shard(0) over the vocabulary: one DTensor parameter again
+        model.out.weight = model.emb.weight
+    return model
+
+
+def plan_embedding_and_head(model: nn.Module, tp_mesh: DeviceMesh, *, sp: bool) -> None:
+    """The plan of ``model.emb`` (vocabulary-parallel), ``model.norm`` (sequence-parallel with
+    ``sp``) and ``model.out`` (column-parallel, logits gathered)."""
+    seq = Shard(1) if sp else Replicate()
     top = {
         "emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
         "out": ColwiseParallel(input_layouts=seq, output_layouts=Replicate()),
@@ -75,9 +85,6 @@ def apply_tp_plan(model: TPNet, tp_mesh: DeviceMesh, *, sp: bool) -> TPNet:
     if sp:
         top["norm"] = SequenceParallel()
     parallelize_module(model, tp_mesh, top)
-    if tied:  # both Shard(0) over the vocabulary: one DTensor parameter again
-        model.out.weight = model.emb.weight
-    return model
 
 
 @dataclasses.dataclass(frozen=True)
