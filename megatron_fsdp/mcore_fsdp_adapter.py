@@ -407,9 +407,6 @@ class FullyShardedDataParallel(nn.Module):
         self.device = device_mod.resolve_device(device)
         self.mp_policy = self.ddp_config.mixed_precision_policy()
         self.megatron_fsdp_dist_index = build_dist_index(self.ddp_config, self.device, pg_collection, config)
-        tp_mesh = self.megatron_fsdp_dist_index.tp_mesh
-        self.tp_group: Optional[dist.ProcessGroup] = tp_mesh.get_group() if tp_mesh and tp_mesh.size() > 1 else None
-        """Megatron-core's tensor-parallel group (``None`` without tensor parallelism)."""
         if fsdp_unit_modules is None:
             fsdp_unit_modules = default_unit_modules(module, self.ddp_config.sharding_strategy)
         self.fsdp_unit_modules = list(fsdp_unit_modules)

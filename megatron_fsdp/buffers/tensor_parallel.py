@@ -69,12 +69,15 @@ class TPSpec:
     def sharded(self) -> bool:
         return isinstance(self.placement, Shard)
 
-    def module_view(self, local: torch.Tensor) -> torch.Tensor:
-        """What the module's code reads while it runs (a DTensor for PyTorch TP plans)."""
-        if self.kind is not TPKind.DTENSOR:
-            return local
+    def dtensor(self, local: torch.Tensor) -> DTensor:
+        """``local`` (this rank's TP piece) as the DTensor over the TP mesh it is a piece of
+        (differentiable, as ``DTensor.from_local``)."""
         return DTensor.from_local(local, self.mesh, (self.placement,), run_check=False,
                                   shape=self.global_shape, stride=self.global_stride)
+
+    def module_view(self, local: torch.Tensor) -> torch.Tensor:
+        """What the module's code reads while it runs (a DTensor for PyTorch TP plans)."""
+        return self.dtensor(local) if self.kind is TPKind.DTENSOR else local
 
     def with_dp(self, dp_placements: tuple[Placement, ...]) -> tuple[Placement, ...]:
         """Placements over (data-parallel dims..., tp). A data-parallel ``Shard(0)`` of

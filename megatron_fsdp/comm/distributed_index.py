@@ -94,7 +94,7 @@ def _flatten_for_reductions(mesh: DeviceMesh) -> None:
     (dp dims..., tp); DTensor reduces it in one all-reduce when the mesh has the
     dimensions' flattened twin (one process group, made once here), else in one per
     dimension (an order that may differ between ranks, and a warning)."""
-    if mesh.ndim < 2 or mesh.size() == 1:
+    if mesh.ndim < 2 or mesh.size(mesh.ndim - 1) == 1:  # no tensor parallelism: nothing to reduce over tp
         return
     try:
         mesh._flatten()
@@ -120,8 +120,6 @@ class DataParallelGroups:
     scaling_size: int
     """Gradients average over this many replicas (the dense data-parallel size, also
     for expert parameters, as Megatron scales them)."""
-    tp_mesh: Optional[DeviceMesh] = None
-    """The tensor-parallel mesh, when tensor parallelism is in use (buffers/tensor_parallel.py)."""
     mesh_with_tp: Optional[DeviceMesh] = None
     """``mesh`` with the tensor-parallel dimension last: the mesh of tensor-parallel
     parameters' DTensors ([Note: tensor-parallel parameters])."""
@@ -228,9 +226,8 @@ class FSDPDistributedIndex:
             dims = (self.dp_outer_dim, self.dp_shard_dim)
             dtensor_mesh = mesh[dims]
             placements = (Shard(0) if self.hsdp_outer_dp_shard else Replicate(), Shard(0))
-        tp_mesh = mesh_with_tp = None
+        mesh_with_tp = None
         if self.tp_dim is not None and has_submesh(mesh, self.tp_dim):
-            tp_mesh = mesh[self.tp_dim]
             mesh_with_tp = mesh[dims + (self.tp_dim,)]
             _flatten_for_reductions(mesh_with_tp)
         return DataParallelGroups(
@@ -240,7 +237,6 @@ class FSDPDistributedIndex:
             mesh=dtensor_mesh,
             placements=placements,
             scaling_size=self.dp_size,
-            tp_mesh=tp_mesh,
             mesh_with_tp=mesh_with_tp,
         )
 

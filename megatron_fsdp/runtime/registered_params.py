@@ -176,6 +176,8 @@ class RegisteredParams:
                 self._registrations.append(_Registration(sub, name, param, dist, wrapper_address(dist)))
         for r in self._registrations:
             share_grad_hooks(r.compute, r.dist)
+        self._viewed = [r for r in self._registrations if r.compute in self._views]
+        """The registrations whose module reads a view."""
         self.compute_registered = True
         """Whether the compute parameters are the registered ones (as at wrapping)."""
         # [Note: direct calls of the wrapped module] DDP's ``model.module(x)`` runs a
@@ -242,21 +244,18 @@ class RegisteredParams:
         the compute parameter. Made with gradients enabled even when registered at the
         start of a backward: a recomputed forward (activation checkpointing) reads them
         and its gradient must reach the compute parameter."""
-        if not self._views:
+        if not self._viewed:
             return
         with torch.enable_grad():
             made: dict[nn.Parameter, torch.Tensor] = {}
-            for r in self._registrations:
-                make = self._views.get(r.compute)
-                if make is not None:
-                    if r.compute not in made:
-                        made[r.compute] = make(r.compute)  # tied weights read one view
-                    r.module.__dict__[r.name] = made[r.compute]
+            for r in self._viewed:
+                if r.compute not in made:
+                    made[r.compute] = self._views[r.compute](r.compute)  # tied weights read one view
+                r.module.__dict__[r.name] = made[r.compute]
 
     def _remove_views(self) -> None:
-        for r in self._registrations:
-            if r.compute in self._views:
-                r.module.__dict__.pop(r.name, None)
+        for r in self._viewed:
+            r.module.__dict__.pop(r.name, None)
 
     @torch.compiler.disable
     def register_dist(self) -> None:

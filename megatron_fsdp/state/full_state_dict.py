@@ -21,8 +21,6 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from torch.distributed.tensor import DTensor
-
 from ..buffers.tensor_parallel import TPSpec
 from .gather import gather_items_to, gather_main_weights
 from .keys import alias_names, extra_states, persistent_buffers, torch_key
@@ -68,9 +66,7 @@ def whole_tensor(local: torch.Tensor, spec: Optional[TPSpec]) -> torch.Tensor:
     the TP ranks: every rank calls it, ``rank0_only`` or not)."""
     if spec is None or not spec.sharded:
         return local
-    piece = DTensor.from_local(local, spec.mesh, (spec.placement,), run_check=False,
-                               shape=spec.global_shape, stride=spec.global_stride)
-    return piece.full_tensor()
+    return spec.dtensor(local).full_tensor()
 
 
 def _export(value: torch.Tensor, dtype: Optional[torch.dtype], device: torch.device) -> torch.Tensor:

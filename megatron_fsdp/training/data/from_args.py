@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import logging
 
+import torch.distributed as dist
+
+from ..parallel_dims import ParallelDims
 from .batching import SampleSource
 from .builder import build_train_valid_test_datasets, data_path_problems, train_valid_test_num_samples
 from .byte_corpus import TextDataset, load_corpus_tokens, split_windows
@@ -72,10 +75,6 @@ def build_datasets(args) -> tuple[SampleSource, SampleSource | None]:
             logger.warning("the validation split of --split %s is empty; evaluation is skipped", args.split)
         if getattr(args, "fim_data", False):  # Megatron-LM's GPTFIMDataset over the same samples (fim.py)
             from megatron_fsdp.training.data.fim import wrap_fim_sources
-
-            import torch.distributed as dist
-
-            from megatron_fsdp.training.parallel_dims import ParallelDims
 
             rank = 0
             if dist.is_initialized():  # the TP ranks of a data-parallel rank read its samples
