@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "pretrain_gpt.py"
 
 # Megatron-LM's GPT-3 175B script, scaled down: 96 -> 2 layers, 12288 -> 64 hidden, 2 CPU ranks,
-# TP 8 / PP 16 -> 1 (data parallel only here), --fp16 left out (see the module docstring).
+# TP 8 / PP 16 -> 1 (no pipeline parallelism here), --fp16 left out (see the module docstring).
 GPT3_STYLE = """
     --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32
     --attention-backend auto

@@ -218,7 +218,7 @@ def test_flags_without_effect_under_fsdp2_warn():
 
 # Megatron-LM's functional-test recipes with --use-torch-fsdp2 (tests/functional_tests/test_cases/gpt/
 # gpt3_mcore_te_tp2_pp1_fsdp2_resume_torch_dist and gpt3_mcore_tp1_pp1_fsdp2_resume_torch_dist_te), their
-# MODEL_ARGS with the tensor-parallel size 2 -> 1 (data parallel only here).
+# MODEL_ARGS with the tensor-parallel size 2 -> 1 (the launcher refuses TP with --use-torch-fsdp2).
 RECIPE_BF16 = """\
 ENV_VARS:
   CUDA_DEVICE_MAX_CONNECTIONS: 8
