@@ -558,10 +558,18 @@ class GradReducePipeline:
         return dist.ReduceOp.AVG if self.options.average_in_collective and not self.options.per_token_loss else dist.ReduceOp.SUM
 
     def _scaling(self, group: ParameterGroup) -> float:
-        """Pre-multiplier before a SUM collective: 1/dp averages over all replicas."""
-        if self.options.per_token_loss or self.options.average_in_collective:
+        """Pre-multiplier before the collective: with SUM, 1/dp averages over all
+        replicas. With AVG the collective divides by the ranks it spans, which for
+        expert parameters under expert parallelism are fewer than the data-parallel
+        ranks (each expert rank already summed its experts' gradients over the tokens
+        of the whole expert-parallel group): the pre-multiplier span/dp makes it 1/dp
+        there too, as Megatron-core's ``expert_gradient_scaling_factor``."""
+        if self.options.per_token_loss:
             return 1.0
-        return 1.0 / group.dp.scaling_size
+        dp = group.dp
+        if self.options.average_in_collective:
+            return dp.shard_size * dp.outer_size / dp.scaling_size
+        return 1.0 / dp.scaling_size
 
     @torch.no_grad()
     def reduce_outer(self) -> None:
