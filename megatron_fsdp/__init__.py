@@ -7,7 +7,8 @@ architecture test in ``tests/test_architecture.py`` holds them to it):
   ``optimizer``, ``mcore_fsdp_adapter`` with ``FullyShardedDataParallel``) and every module
   path upstream users and Megatron-LM import (``utils``, ``uneven_dtensor``,
   ``param_and_grad_buffer``, ``distributed_data_parallel_config``, ``package_info``,
-  ``mixed_precision``), plus the vocabulary every floor uses (``config``, ``enums``,
+  ``mixed_precision``), ``parallel_dims`` (the data, tensor, context and expert ranks in
+  Megatron-LM's order and their meshes), plus the vocabulary every floor uses (``config``, ``enums``,
   ``param_marks``, ``mixed_precision``);
 - ``state/``: model and optimizer state dicts, full export, checkpoints;
 - ``runtime/``: hooks, the unit schedule, the all-gather and gradient-reduce pipelines;
@@ -41,6 +42,7 @@ _EXPORTS = {
     "FullyShardedDataParallel": "mcore_fsdp_adapter",
     "MegatronFSDP": "megatron_fsdp",
     "MixedPrecisionPolicy": "mixed_precision",
+    "ParallelDims": "parallel_dims",
     "ShardingStrategy": "enums",
     "StateDictMismatchError": "state.model_state_dict",
     "TrainingState": "enums",

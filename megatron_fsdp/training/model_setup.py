@@ -40,7 +40,7 @@ from megatron_fsdp.models.losses import LogitsGradInBF16, token_cross_entropy  #
 
 from . import torch_fsdp2
 from .args.arg_types import DataParallelPath, Precision
-from .parallel_dims import ParallelDims
+from megatron_fsdp.parallel_dims import ParallelDims
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ import logging
 
 import torch.distributed as dist
 
-from ..parallel_dims import ParallelDims
+from megatron_fsdp.parallel_dims import ParallelDims
 from .batching import SampleSource
 from .builder import build_train_valid_test_datasets, data_path_problems, train_valid_test_num_samples
 from .byte_corpus import TextDataset, load_corpus_tokens, split_windows
