@@ -23,6 +23,7 @@ from .runtime.all_gather_pipeline import AllGatherPipeline
 from .config import DistributedDataParallelConfig, check_unimplemented
 from .comm.distributed_index import FSDPDistributedIndex, build_default_mesh
 from .enums import ShardingStrategy
+from .runtime import grad_norm
 from .runtime.grad_reduce_pipeline import GradReducePipeline, GradReduceOptions
 from .runtime.hooks import FSDPUnit, HookRuntime, guard_hooks_under_compile
 from .param_marks import is_fsdp_no_shard
@@ -488,6 +489,25 @@ class MegatronFSDP(RefusesCopies, nn.Module):
             self.param_and_grad_buffer.detach_grads()
 
     @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                        foreach: Optional[bool] = None) -> torch.Tensor:
+        """Clip the gradients of this model's parameters to a total norm of ``max_norm``
+        and return the total norm before clipping (a device tensor, the same on every
+        rank), as FSDP1's method of this name. Equal to torch's ``clip_grad_norm_`` of the
+        unwrapped model for every layout, also where torch's cannot run: parameters on
+        several meshes, experts spread over expert-parallel ranks
+        ([Note: the norm under expert parallelism])."""
+        experts = None
+        index = self.dist_index
+        if index.expt_parallel_group is not None:
+            groups = index.groups_for(True)
+            experts = (groups.mesh, index.expt_parallel_group)
+            if groups.mesh_with_tp is not None:
+                raise NotImplementedError("clip_grad_norm_ of experts spread over expert-parallel ranks and split by "
+                                          "tensor parallelism is not supported; use expert tensor-parallel size 1")
+        return grad_norm.clip_grad_norm(self.parameters(), max_norm, norm_type, error_if_nonfinite=error_if_nonfinite,
+                                        expert_mesh_group=experts, foreach=foreach)
+
     def scale_gradients(self, scaling_factor: float) -> None:
         self.grad_reduce_pipeline.wait_all()
         for group in self.param_and_grad_buffer.grad_groups:

@@ -150,6 +150,17 @@ class DataParallelGroups:
         return self.shard_rank * self.optimizer_parts + (self.outer_rank if self.outer_shards_optimizer else 0)
 
 
+EXPERT_PARALLEL_DIM = "ep"
+"""The dimension of ``expt_device_mesh`` whose ranks hold different experts."""
+
+
+def _expert_parallel_group(mesh: Optional[DeviceMesh]) -> Optional[dist.ProcessGroup]:
+    if mesh is None or EXPERT_PARALLEL_DIM not in (mesh.mesh_dim_names or ()):
+        return None
+    sub = mesh[EXPERT_PARALLEL_DIM]
+    return sub.get_group() if sub.size() > 1 else None
+
+
 class FSDPDistributedIndex:
     """Process groups and sub-meshes used by Megatron-FSDP.
 
@@ -204,6 +215,10 @@ class FSDPDistributedIndex:
                         f"{list(expt_device_mesh.mesh_dim_names or ())}. Name the expert data-parallel dimensions alike."
                     )
         self._groups: dict[bool, DataParallelGroups] = {}
+        self.expt_parallel_group: Optional[dist.ProcessGroup] = _expert_parallel_group(expt_device_mesh)
+        """The ranks holding the other experts (expert parallelism), None without it: the
+        ``ep`` dimension of ``expt_device_mesh`` when it has one of size > 1 (a caller
+        with its own groups, the Megatron-core adapter, may set it)."""
 
     def groups_for(self, is_expert: bool = False) -> DataParallelGroups:
         """The topology of regular (or expert) parameters."""
