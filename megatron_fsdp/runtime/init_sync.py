@@ -66,29 +66,39 @@ def _broadcast(tensors: Iterable[tuple[torch.Tensor, bool]], dist_index: FSDPDis
                                  only_changed=only_changed)
 
 
-def _fingerprint(module: nn.Module) -> int:
-    """The model's structure (names, shapes, dtypes of parameters and buffers) as 62 bits."""
-    items = [(n, tuple(t.shape), str(t.dtype)) for n, t in list(module.named_parameters()) + list(module.named_buffers())]
+def _fingerprint(module: nn.Module, experts: bool) -> int:
+    """The structure (names, shapes, dtypes) of the model's dense or expert parameters and
+    buffers as 62 bits."""
+    params = [(n, p) for n, p in module.named_parameters() if is_expert_param(p) == experts]
+    buffers = [(f"{m}.{n}" if m else n, b) for m, owner in module.named_modules()
+               for n, b in owner.named_buffers(recurse=False) if _buffer_is_expert(owner) == experts]
+    items = [(n, tuple(t.shape), str(t.dtype)) for n, t in params + buffers]
     return int.from_bytes(hashlib.sha256(repr(items).encode()).digest()[:8], "little") >> 2
 
 
 def check_same_structure(module: nn.Module, dist_index: FSDPDistributedIndex,
                          timeout: Optional[datetime.timedelta] = None) -> None:
     """Refuse, on every rank, models whose structure differs across the data-parallel
-    ranks: their flat broadcasts (and every later collective) would not line up."""
-    mine = _fingerprint(module)
-    dp = dist_index.groups_for(False)
-    for group in (dp.shard_group, dp.outer_group):
-        if group is None or dist.get_world_size(group) == 1:
-            continue
-        bounds = torch.tensor([mine, -mine], dtype=torch.int64)
-        collectives.control_all_reduce(bounds, group, op=dist.ReduceOp.MAX, label="model_structure", timeout=timeout)
-        if bounds[0].item() != -bounds[1].item():
-            raise ValueError(
-                "the data-parallel ranks built different models (parameter or buffer names, shapes or dtypes "
-                "differ), so their weights cannot be made equal nor their gradients reduced; build the same "
-                "model on every rank (rank-dependent code or configuration before wrapping is the usual cause)"
-            )
+    ranks: their flat broadcasts (and every later collective) would not line up. Expert
+    parameters are compared over the expert data-parallel ranks only (the other
+    expert-parallel ranks hold other experts)."""
+    has_experts = any(is_expert_param(p) for p in module.parameters())
+    for experts in (False, True) if has_experts else (False,):
+        mine = _fingerprint(module, experts)
+        dp = dist_index.groups_for(experts)
+        for group in (dp.shard_group, dp.outer_group):
+            if group is None or dist.get_world_size(group) == 1:
+                continue
+            bounds = torch.tensor([mine, -mine], dtype=torch.int64)
+            collectives.control_all_reduce(bounds, group, op=dist.ReduceOp.MAX, label="model_structure",
+                                           timeout=timeout)
+            if bounds[0].item() != -bounds[1].item():
+                raise ValueError(
+                    f"the {'expert ' if experts else ''}data-parallel ranks built different models (parameter or "
+                    "buffer names, shapes or dtypes differ), so their weights cannot be made equal nor their "
+                    "gradients reduced; build the same model on every rank (rank-dependent code or configuration "
+                    "before wrapping is the usual cause)"
+                )
 
 
 def sync_initial_state(module: nn.Module, dist_index: FSDPDistributedIndex,

@@ -43,22 +43,56 @@ def gather_full_state_dict(
     model.settle_weights_for_reading()  # edits since the step included
     timeout = model.all_gather_pipeline.timeout
     full: dict[str, torch.Tensor] = {}
+    experts = _expert_groups(model)
     for group in buffer.groups:
         flat, temporary = gather_main_weights(group, timeout)
         for index, (name, param) in enumerate(zip(group.names, group.params)):
             start, end = group.layout.item_range(index)
             value = whole_tensor(flat[start:end].view(param.shape), buffer.tp_spec(param))
-            if keep:
+            if keep or group.dp is experts:  # experts travel to the other expert-parallel ranks below
                 full[name] = _export(value, dtype, device)
         if temporary:
             del flat  # one group's bucket at a time on the device
+    others = _other_ranks_experts(model, {n: full[n] for g in buffer.groups if g.dp is experts for n in g.names},
+                                  to_all=not rank0_only)
     if not keep:
         return {}
     # Tied weights appear under every name, as in nn.Module.state_dict().
     out = {alias: full[name] for alias, name in alias_names(model).items()}
+    out.update({name: value.to(device) for name, value in others.items()})
     for name, value in persistent_buffers(model.module):
         out[torch_key(name)] = _export(value.detach(), None, device)
     return out
+
+
+def _expert_groups(model: ShardedModel) -> Any:
+    """The experts' data-parallel topology when experts are spread over expert-parallel
+    ranks (each rank then holds only its own), else None."""
+    index = model.dist_index
+    return index.groups_for(True) if index.expt_parallel_group is not None else None
+
+
+def _other_ranks_experts(model: ShardedModel, mine: dict[str, torch.Tensor], *, to_all: bool) -> dict:
+    """[Note: full state dicts under expert parallelism] Each expert-parallel rank holds
+    other experts under their global names, so a full state dict gathers them over the
+    expert-parallel group: to every rank, or (``to_all=False``) to the group's first rank,
+    which for rank 0 is rank 0 itself (Megatron-LM's order: EP groups are consecutive
+    ranks). On the host, in pickled form. A model that names its experts by local index
+    (the same names on every expert-parallel rank, as megatron-core's ``local_experts``)
+    keeps each rank's own under those names: a plain dict cannot hold them all."""
+    group = model.dist_index.expt_parallel_group
+    if group is None:
+        return {}
+    mine = {name: value.cpu() for name, value in mine.items()}
+    size, me = dist.get_world_size(group), dist.get_rank(group)
+    received: list = [None] * size
+    if to_all:
+        dist.all_gather_object(received, mine, group=group)
+    else:
+        first = dist.get_global_rank(group, 0)
+        dist.gather_object(mine, received if me == 0 else None, dst=first, group=group)
+    return {name: value for rank, part in enumerate(received) if rank != me and part
+            for name, value in part.items() if name not in mine}
 
 
 def whole_tensor(local: torch.Tensor, spec: Optional[TPSpec]) -> torch.Tensor:

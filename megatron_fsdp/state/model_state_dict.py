@@ -25,6 +25,7 @@ from contextvars import ContextVar
 from typing import Any, Iterator, Mapping, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -332,5 +333,22 @@ def save_full_state_dict(model: ShardedModel, path: str, *, dtype: Optional[torc
 
 
 def load_full_state_dict(model: ShardedModel, state_dict: Mapping[str, torch.Tensor], *, strict: bool = True):
-    """Import a plain (unsharded) state dict, e.g. pretrained weights, into a sharded model."""
+    """Import a plain (unsharded) state dict, e.g. pretrained weights, into a sharded model.
+    Under expert parallelism the whole model's dict holds every expert; each rank loads
+    its own and leaves those the other expert-parallel ranks hold (collective then)."""
+    others = _other_ranks_expert_keys(model)
+    if others:
+        state_dict = {k: v for k, v in state_dict.items() if torch_key(k).removeprefix(MODULE_PREFIX) not in others}
     return load_sharded_state_dict(model, state_dict, strict=strict)
+
+
+def _other_ranks_expert_keys(model: ShardedModel) -> set[str]:
+    """The parameter names the other expert-parallel ranks hold (in ``torch_key`` form)."""
+    group = model.dist_index.expt_parallel_group
+    if group is None:
+        return set()
+    mine = {torch_key(n) for g in model.param_and_grad_buffer.groups if g.dp is model.dist_index.groups_for(True)
+            for n in g.names}
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, sorted(mine), group=group)
+    return {name for names in everyone for name in names} - mine

@@ -14,6 +14,7 @@ from typing import Protocol
 import torch.nn as nn
 
 from ..buffers.param_and_grad_buffer import ParamAndGradBuffer
+from ..comm.distributed_index import FSDPDistributedIndex
 from ..runtime.all_gather_pipeline import AllGatherPipeline
 
 
@@ -26,6 +27,8 @@ class ShardedModel(Protocol):
     """The parameter groups and their main weights."""
     all_gather_pipeline: AllGatherPipeline
     """Its ``timeout`` bounds the state dicts' gathers."""
+    dist_index: FSDPDistributedIndex
+    """The process groups (the expert-parallel one for full state dicts of experts)."""
     @property
     def keeps_extra_state(self) -> bool:
         """Whether ``state_dict()`` includes modules' extra state."""
