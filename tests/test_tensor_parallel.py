@@ -13,6 +13,7 @@ with ``MFSDP_TP_LONG=1``.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import os
 import tempfile
@@ -24,6 +25,7 @@ from torch.distributed.tensor import DTensor
 import conftest
 import megatron_fsdp as mf
 from megatron_fsdp.comm.distributed_index import FSDPDistributedIndex
+from megatron_fsdp.parallel_dims import ParallelDims
 from tp_models import (Layout, TPBlock, TPNet, apply_tp_plan, batches, lm_loss, make_optimizer,
                        train_reference)
 
@@ -117,6 +119,39 @@ W4 = Layout(dp=2, tp=2)
 @pytest.mark.parametrize("opt,sp,clip", [("sgd", False, 0.0), ("adamw", True, 0.05)], ids=["sgd", "adamw-sp-clip"])
 def test_dp2_tp2_equals_one_process(pool4, strategy, opt, sp, clip):
     _assert_exact(pool4.run(parity_worker, layout=W4, strategy=strategy, opt=opt, sp=sp, clip=clip))
+
+
+@dataclasses.dataclass(frozen=True)
+class DimsLayout:
+    """``ParallelDims``' meshes as the parity worker reads a ``Layout``: with CP the dense
+    parameters shard over the flattened data x context dimension ([Note: sharding over
+    data x context]); this model has no attention, so its CP ranks train on samples of
+    their own, which averages over dp x cp exactly as a context-parallel model's parts do."""
+
+    dims: ParallelDims
+    outer: int = 1
+
+    def mesh(self):
+        return self.dims.build_mesh("cpu")
+
+    @property
+    def replicas(self) -> int:
+        return self.dims.dp * self.dims.cp
+
+    def wrap_kwargs(self, mesh) -> dict:
+        return self.dims.wrap_kwargs(mesh, self.dims.data_parallel_group(mesh))
+
+    def replica_rank(self, mesh) -> int:
+        return mesh[self.dims.shard_dim].get_local_rank()
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim_grads_params"])
+def test_tp_over_the_data_context_dimension(pool4, strategy):
+    """DP 1 x CP 2 x TP 2: sharded over the flattened (dp_shard, cp) dimension, DTensors over (dp_shard_cp, tp)."""
+    layout = DimsLayout(ParallelDims(world=4, tp=2, cp=2))
+    results = pool4.run(parity_worker, layout=layout, strategy=strategy, opt="adamw", sp=True, clip=0.05)
+    _assert_exact(results)
+    assert all(r["meshes"] == [("dp_shard_cp", "tp")] for r in results), results
 
 
 @pytest.mark.parametrize("entry", ["fully_shard", "MegatronFSDP"])
