@@ -6,6 +6,7 @@ Modules, one concern each:
 - ``unit_schedule.py``: the one order in which every rank visits the units.
 - ``all_gather_pipeline.py``: making a group's model weights whole before compute.
 - ``grad_reduce_pipeline.py``: from autograd's raw gradients to reduced main gradients.
+- ``grad_norm.py``: the total gradient norm and clipping over every mesh, experts spread over ranks included.
 - ``nan_check.py``: ``check_for_nan_in_grad`` with one host sync per step.
 - ``weight_edits.py``: in-place edits of ``model.parameters()`` reaching the compute weights.
 - ``init_sync.py``: every data-parallel rank starts from rank 0's parameters and buffers.
