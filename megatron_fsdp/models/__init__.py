@@ -21,6 +21,8 @@ Modules, one concern each:
 - ``gpt.py``: ``GPT`` and ``gpt_loss``.
 - ``tensor_parallel.py``: ``apply_tensor_parallel``, the GPT's tensor-parallel plan (PyTorch DTensor
   styles, torchtitan's order), applied before FSDP wrapping.
+- ``context_parallel.py``: ``apply_context_parallel``, Megatron-LM's load-balanced sequence split, the
+  K/V all-gather exchange of each attention layer and Megatron-LM's context-parallel loss.
 - ``presets.py``: named configurations of record.
 - ``mcore.py``: megatron-core's ``GPTModel`` from a ``GPTConfig`` and our weights in its layout;
   ``mcore_mla.py`` and ``mcore_mtp.py`` its MLA and MTP parts; ``mcore_specs.py`` the

@@ -7,6 +7,10 @@ Llama families that Megatron-LM's model flags describe (see ``config.py``).
                   [-> with mtp_num_layers and labels, in training: the multi-token prediction
                       depths (mtp.py), whose loss only adds gradients]
 
+Under context parallelism (``context_parallel.apply_context_parallel``) ``tokens`` are this
+rank's share of each sequence and the model threads their global positions to the learned
+position table and every attention (RoPE, the causal mask).
+
 Every module initialises its own parameters in ``reset_parameters()``, so the
 model can be built on the meta device and materialised unit by unit with the same
 numbers as an eager build under the same seed.
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from typing import Optional, Protocol
 
 import torch
 import torch.nn as nn
@@ -31,6 +36,17 @@ from .transformer import TransformerBlock
 
 # GPTConfig and TransformerBlock are imported from here by existing callers.
 __all__ = ["GPT", "GPTConfig", "TransformerBlock", "gpt_loss"]
+
+
+class SequenceSplit(Protocol):
+    """What the model reads from a context-parallel layout (``context_parallel.ContextParallelLayout``)."""
+
+    size: int
+    """Ranks sharing each sequence."""
+
+    def positions(self, local_length: int, device: torch.device) -> torch.Tensor:
+        """(local_length,) the global positions of this rank's tokens; ValueError for a length
+        no shard of a valid sequence has."""
 
 
 class GPT(nn.Module):
@@ -54,26 +70,37 @@ class GPT(nn.Module):
         self.lm_head.weight.is_embedding_or_output_parameter = True
         # --moe-router-force-load-balancing: one noise stream for all routers, as megatron-core's.
         self.forced_routing = share_stream([layer.router for layer in self.moe_layers()])
+        self.context_parallel: Optional[SequenceSplit] = None
+        """Set by ``apply_context_parallel``: the forward then takes this rank's share of the tokens."""
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         """tokens: (batch, time) int64 -> logits (batch, time, vocab). ``labels`` (batch, time):
         the next tokens, read only by multi-token prediction (training forwards with gradients)."""
-        cfg = self.config
-        t = tokens.shape[1]
-        if t > cfg.seq_length:
-            raise ValueError(f"sequence of {t} tokens exceeds seq_length={cfg.seq_length}")
-        x = self._embed(tokens, torch.arange(t, device=tokens.device))  # (b, t, hidden)
+        positions = self._positions(tokens)  # (t,)
+        x = self._embed(tokens, positions)  # (b, t, hidden)
         for start, end, recompute in self._block_chunks():
             if recompute and torch.is_grad_enabled():
-                x = checkpoint(self._run_blocks, x, start, end, use_reentrant=False,
+                x = checkpoint(self._run_blocks, x, start, end, positions, use_reentrant=False,
                                context_fn=self._recompute_contexts)
             else:
-                x = self._run_blocks(x, start, end)
+                x = self._run_blocks(x, start, end, positions)
         x = self.ln_f(x)
         if labels is not None and self.mtp is not None and self.training and torch.is_grad_enabled():
             x = self.mtp(x, tokens, labels, embed=self._embed, output=self.lm_head,
                          context_fn=self._recompute_contexts)
         return self.lm_head(x)
+
+    def _positions(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(t,) the global positions of the tokens (b, t): 0 .. t-1, or under context
+        parallelism those of this rank's share of sequences CP times as long."""
+        t, split = tokens.shape[1], self.context_parallel
+        whole = t if split is None else t * split.size
+        if whole > self.config.seq_length:
+            shard = "" if split is None else f" ({t} on each of {split.size} context-parallel ranks)"
+            raise ValueError(f"sequence of {whole} tokens{shard} exceeds seq_length={self.config.seq_length}")
+        if split is None:
+            return torch.arange(t, device=tokens.device)
+        return split.positions(t, tokens.device)
 
     def _embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """tokens (b, t), positions (t,) or (b, t) -> embeddings (b, t, hidden), learned positions
@@ -86,9 +113,10 @@ class GPT(nn.Module):
             x = F.dropout(x, cfg.hidden_dropout, training=True)  # Megatron's embedding dropout
         return x
 
-    def _run_blocks(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    def _run_blocks(self, x: torch.Tensor, start: int, end: int, positions: torch.Tensor) -> torch.Tensor:
         for block in self.blocks[start:end]:
-            x = block(x)
+            # By keyword: a tensor-parallel plan's input hook on a block reads the positional inputs.
+            x = block(x, positions=positions)
         return x
 
     def _recompute_contexts(self):

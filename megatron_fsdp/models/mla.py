@@ -33,6 +33,7 @@ as megatron-core (m = 1 unless the factor is above 1 and mscale_all_dim is non-z
 from __future__ import annotations
 
 import math
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -44,13 +45,29 @@ from .layers import InitLinear, build_norm, scaled_init_std
 from .rope import rope_angles
 from .yarn import concentration, yarn_angles, yarn_mscale
 
+SequenceGather = Callable[[torch.Tensor, int], torch.Tensor]
+"""(x with this rank's tokens along ``seq_dim``, seq_dim) -> x of the whole sequence in position
+order, its backward handing back the gradient of this rank's tokens: what both attentions need
+from a context-parallel layout (transformer.py, [Note: attention under context parallelism];
+implemented by ``context_parallel.KeyValueGather``). Here, the lower of the two modules."""
 
-def mla_rope_angles(cfg: GPTConfig, seq_len: int, device: torch.device) -> tuple[torch.Tensor, float]:
-    """((seq_len, mla_rotary_dim) fp32 angles, factor on cos/sin) of MLA's rotary embedding."""
+
+def causal_mask(positions: Optional[torch.Tensor], t: int, num_keys: int, device: torch.device) -> torch.Tensor:
+    """(t, num_keys) bool: query i may attend to key j when j <= positions[i]; the keys are the
+    whole sequence 0 .. num_keys - 1 and ``positions`` (t,) the queries' places in it (None: 0 .. t-1)."""
+    queries = torch.arange(t, device=device) if positions is None else positions
+    return queries[:, None] >= torch.arange(num_keys, device=device)[None, :]
+
+
+def mla_rope_angles(cfg: GPTConfig, seq_len: int, device: torch.device,
+                    positions: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, float]:
+    """((seq_len, mla_rotary_dim) fp32 angles, factor on cos/sin) of MLA's rotary embedding, at
+    ``positions`` (seq_len,) (None: 0 .. seq_len - 1)."""
     if cfg.rope_type is RopeType.ROPE:
-        return rope_angles(seq_len, cfg.mla_rotary_dim, cfg.rotary_base, device), 1.0
+        return rope_angles(seq_len, cfg.mla_rotary_dim, cfg.rotary_base, device, positions=positions), 1.0
     angles = yarn_angles(seq_len, cfg.qk_pos_emb_head_dim, cfg.rotary_base, cfg.rotary_scaling_factor,
-                         cfg.original_max_position_embeddings, cfg.beta_fast, cfg.beta_slow, device)
+                         cfg.original_max_position_embeddings, cfg.beta_fast, cfg.beta_slow, device,
+                         positions=positions)
     return angles, concentration(cfg.rotary_scaling_factor, cfg.mscale, cfg.mscale_all_dim)
 
 
@@ -98,8 +115,11 @@ class MultiLatentAttention(nn.Module):
         self.softmax_scale = mla_softmax_scale(cfg)
         self.dropout = cfg.attention_dropout
         self.recompute_core = cfg.recompute_granularity is RecomputeGranularity.SELECTIVE
+        self.context_parallel: Optional[SequenceGather] = None
+        """Set by ``apply_context_parallel`` (transformer.py, [Note: attention under context parallelism])."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x (b, t, hidden), positions (t,) the tokens' global positions (None: 0 .. t-1)."""
         cfg, h = self.cfg, self.heads
         b, t, _ = x.shape
         if cfg.q_lora_rank is None:
@@ -111,18 +131,35 @@ class MultiLatentAttention(nn.Module):
         kv = self.linear_kv_up_proj(self.kv_layernorm(latent)).view(b, t, h, cfg.qk_head_dim + cfg.v_head_dim)
         k_content, v = kv.split([cfg.qk_head_dim, cfg.v_head_dim], -1)  # (b, t, h, c), (b, t, h, v)
 
-        angles, scale = mla_rope_angles(cfg, t, x.device)
+        angles, scale = mla_rope_angles(cfg, t, x.device, positions)
         q_rot = apply_mla_rope(q_rot, angles, scale)  # (b, t, h, r)
         k_rot = apply_mla_rope(k_rot.unsqueeze(2), angles, scale)  # (b, t, 1, r)
+        mask = None
+        if self.context_parallel is not None:
+            k_content, v, k_rot = self._gather_keys_values(k_content, v, k_rot)  # t -> T tokens
+            mask = causal_mask(positions, t, k_rot.shape[1], x.device)  # (t, T)
         q = torch.cat((q_content, q_rot), dim=-1).transpose(1, 2)  # (b, h, t, c + r)
-        k = torch.cat((k_content, k_rot.expand(-1, -1, h, -1)), dim=-1).transpose(1, 2)  # (b, h, t, c + r)
-        v = v.transpose(1, 2)  # (b, h, t, v)
+        k = torch.cat((k_content, k_rot.expand(-1, -1, h, -1)), dim=-1).transpose(1, 2)  # (b, h, t or T, c + r)
+        v = v.transpose(1, 2)  # (b, h, t or T, v)
         if self.recompute_core and torch.is_grad_enabled():
-            y = checkpoint(self._core_attention, q, k, v, use_reentrant=False)  # as CausalSelfAttention
+            y = checkpoint(self._core_attention, q, k, v, mask, use_reentrant=False)  # as CausalSelfAttention
         else:
-            y = self._core_attention(q, k, v)  # (b, h, t, v)
+            y = self._core_attention(q, k, v, mask)  # (b, h, t, v)
         return self.proj(y.transpose(1, 2).reshape(b, t, h * cfg.v_head_dim))  # (b, t, hidden)
 
-    def _core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
+    def _gather_keys_values(self, k_content: torch.Tensor, v: torch.Tensor,
+                            k_rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(b, t, h, c), (b, t, h, v), (b, t, 1, r) of this rank's tokens -> the same of all T
+        tokens, in one exchange of [k content | v | the shared rotary key] per token."""
+        b, t, h, _ = k_content.shape
+        widths = [h * self.cfg.qk_head_dim, h * self.cfg.v_head_dim, self.cfg.qk_pos_emb_head_dim]
+        packed = torch.cat((k_content.reshape(b, t, -1), v.reshape(b, t, -1), k_rot.reshape(b, t, -1)), dim=-1)
+        k_content, v, k_rot = self.context_parallel(packed, 1).split(widths, dim=-1)  # (b, T, width) each
+        return k_content.unflatten(-1, (h, -1)), v.unflatten(-1, (h, -1)), k_rot.unsqueeze(2)
+
+    def _core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``mask`` (t, T) under context parallelism, else causal over t."""
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                              scale=self.softmax_scale,
                                               dropout_p=self.dropout if self.training else 0.0)

@@ -7,7 +7,8 @@ at position p turns by angle p * base^(-2j/rot_dim) either way.
 With ``rotary_percent < 1`` only the first rot_dim channels of each head turn;
 the rest pass through unchanged.
 
-cos/sin are recomputed per forward from the sequence length: t * rot_dim/2
+cos/sin are recomputed per forward from the sequence length (or the tokens' positions,
+which context parallelism passes: a rank's tokens are not positions 0 .. t-1): t * rot_dim/2
 trig evaluations are nothing next to attention, and holding no buffer keeps the
 module free of meta-device and device-placement concerns.
 """
@@ -18,16 +19,26 @@ import torch
 
 
 def rope_angles(seq_len: int, rot_dim: int, base: float, device: torch.device, *,
-                interleaved: bool = False) -> torch.Tensor:
+                interleaved: bool = False, positions: torch.Tensor | None = None) -> torch.Tensor:
     """(seq_len, rot_dim) angles: position * inverse frequency, each frequency on both
     channels of its pair ([f0.. | f0..] halves, or f0 f0 f1 f1 ... interleaved).
+    ``positions`` (seq_len,): the tokens' positions; ``None``: 0 .. seq_len - 1.
     Computed in fp32."""
     inv_freq = 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.float32, device=device) / rot_dim))  # (rot_dim/2,)
-    positions = torch.arange(seq_len, dtype=torch.float32, device=device)  # (t,)
-    freqs = torch.outer(positions, inv_freq)  # (t, rot_dim/2)
+    freqs = torch.outer(token_positions(seq_len, device, positions), inv_freq)  # (t, rot_dim/2)
     if interleaved:
         return freqs.repeat_interleave(2, dim=-1)  # (t, rot_dim)
     return torch.cat((freqs, freqs), dim=-1)  # (t, rot_dim)
+
+
+def token_positions(seq_len: int, device: torch.device | None, positions: torch.Tensor | None) -> torch.Tensor:
+    """(seq_len,) fp32 positions: ``positions`` (exact in fp32 below 2^24) or 0 .. seq_len - 1."""
+    if positions is None:
+        return torch.arange(seq_len, dtype=torch.float32, device=device)
+    if positions.shape != (seq_len,):
+        raise ValueError(f"positions of shape {tuple(positions.shape)} for {seq_len} tokens; pass one position "
+                         "per token, shape (seq_len,)")
+    return positions.to(device=device, dtype=torch.float32)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

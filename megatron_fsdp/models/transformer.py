@@ -1,10 +1,21 @@
 """Self-attention and the transformer block (the FSDP unit of the embedded GPT).
 
 Shapes: b = batch, t = time, h = query heads, g = key/value groups, d = kv_channels
-(the width of one head), n = b * t tokens.
+(the width of one head), n = b * t tokens; under context parallelism t is this rank's
+tokens and T the whole sequence's (models/context_parallel.py).
+
+[Note: attention under context parallelism] Both attentions take the global positions of
+their tokens (``positions``, (t,); ``None``: 0 .. t-1) and may hold a ``context_parallel``
+gather: a callable (x, seq_dim) -> x of the whole sequence, in position order, whose
+backward hands each rank the gradient of its own tokens. Set (by ``apply_context_parallel``),
+the keys and values of every rank are gathered in one call after RoPE and the q/k norms
+(both per token) and the local queries attend to all T keys under the causal mask of their
+global positions (``causal_mask``). Unset, nothing changes: ``is_causal`` attention over t.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -13,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .config import GPTConfig, PositionEmbeddingType, RecomputeGranularity
 from .layers import MLP, InitLinear, build_norm, scaled_init_std
-from .mla import MultiLatentAttention
+from .mla import MultiLatentAttention, SequenceGather, causal_mask  # shared with MLA, the lower module
 from .moe import MoELayer
 from .rope import apply_rope, rope_angles
 
@@ -44,8 +55,11 @@ class CausalSelfAttention(nn.Module):
         self.rotary_interleaved = cfg.rotary_interleaved
         self.dropout = cfg.attention_dropout
         self.recompute_core = cfg.recompute_granularity is RecomputeGranularity.SELECTIVE
+        self.context_parallel: Optional[SequenceGather] = None
+        """Set by ``apply_context_parallel``: see [Note: attention under context parallelism]."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x (b, t, hidden), positions (t,) the tokens' global positions (None: 0 .. t-1)."""
         b, t, _ = x.shape
         fused = self.qkv(x)  # (b, t, h*d + 2*g*d (+ h*d)), or this TP rank's share of it
         # Under the tensor-parallel plan the projection hands this rank 1/TP of every section
@@ -61,26 +75,33 @@ class CausalSelfAttention(nn.Module):
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         if self.rope:
             angles = rope_angles(t, self.rotary_dim, self.rotary_base, x.device,
-                                 interleaved=self.rotary_interleaved)  # (t, rotary_dim)
+                                 interleaved=self.rotary_interleaved, positions=positions)  # (t, rotary_dim)
             q = apply_rope(q, angles, interleaved=self.rotary_interleaved)
             k = apply_rope(k, angles, interleaved=self.rotary_interleaved)
+        mask = None
+        if self.context_parallel is not None:
+            # One exchange for both: [k | v] (b, g, t, 2d) -> (b, g, T, 2d)
+            k, v = self.context_parallel(torch.cat((k, v), dim=-1), 2).chunk(2, dim=-1)
+            mask = causal_mask(positions, t, k.shape[2], x.device)  # (t, T)
         if groups != heads:
             k = k.repeat_interleave(heads // groups, dim=1)  # (b, h, t, d)
             v = v.repeat_interleave(heads // groups, dim=1)  # (b, h, t, d)
         if self.recompute_core and torch.is_grad_enabled():
             # Selective recompute: keep q, k, v; recompute softmax(QK^T)V in backward
             # (the RNG state is replayed, so attention dropout draws the same mask).
-            y = checkpoint(self._core_attention, q, k, v, use_reentrant=False)
+            y = checkpoint(self._core_attention, q, k, v, mask, use_reentrant=False)
         else:
-            y = self._core_attention(q, k, v)  # (b, h, t, d)
+            y = self._core_attention(q, k, v, mask)  # (b, h, t, d)
         y = y.transpose(1, 2).reshape(b, t, heads * self.head_dim)  # (b, t, h*d), head-major as the gate
         if self.gate_size:
             y = apply_output_gate(y, gate)
         return self.proj(y)  # (b, t, hidden)
 
-    def _core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # Scale 1/sqrt(d), as Megatron's default (no query-key layer scaling).
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+    def _core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """q (b, h, t, d), k and v (b, h, t or T, d); ``mask`` (t, T) under context parallelism,
+        else causal over t. Scale 1/sqrt(d), as Megatron's default (no query-key layer scaling)."""
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                               dropout_p=self.dropout if self.training else 0.0)
 
 
@@ -110,8 +131,10 @@ class TransformerBlock(nn.Module):
         self.mlp = MoELayer(cfg) if cfg.is_moe_layer(layer_number) else MLP(cfg)
         self.hidden_dropout = cfg.hidden_dropout
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (b, t, hidden) -> (b, t, hidden)
-        x = x + self._dropout(self.attn(self.ln_1(x)))
+    def forward(self, x: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x (b, t, hidden) -> (b, t, hidden); ``positions`` (t,): the tokens' global positions
+        (None: 0 .. t-1), for RoPE and context parallelism's causal mask."""
+        x = x + self._dropout(self.attn(self.ln_1(x), positions))
         return x + self._dropout(self.mlp(self.ln_2(x)))
 
     def _dropout(self, branch: torch.Tensor) -> torch.Tensor:

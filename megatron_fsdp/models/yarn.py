@@ -15,8 +15,8 @@ the slow frequencies:
 * cos and sin are multiplied by a concentration factor (``concentration``), and MLA
   also rescales its softmax by ``yarn_mscale(factor, mscale_all_dim)`` squared.
 
-Everything is computed in fp32 from the sequence length per forward, like
-``rope.rope_angles``: no buffers, nothing to place on a device or materialise
+Everything is computed in fp32 from the sequence length (or the tokens' positions) per
+forward, like ``rope.rope_angles``: no buffers, nothing to place on a device or materialise
 from the meta device.
 """
 
@@ -25,6 +25,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from .rope import token_positions
 
 
 def yarn_mscale(scaling_factor: float, mscale: float = 1.0) -> float:
@@ -67,9 +69,10 @@ def yarn_inv_freq(dim: int, base: float, scaling_factor: float, original_max_pos
 
 
 def yarn_angles(seq_len: int, dim: int, base: float, scaling_factor: float, original_max_positions: int,
-                beta_fast: float, beta_slow: float, device: torch.device | None = None) -> torch.Tensor:
-    """(seq_len, dim) angles, each frequency repeated for both halves (rope.rope_angles' layout)."""
+                beta_fast: float, beta_slow: float, device: torch.device | None = None, *,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+    """(seq_len, dim) angles, each frequency repeated for both halves (rope.rope_angles' layout).
+    ``positions`` (seq_len,): the tokens' positions; ``None``: 0 .. seq_len - 1."""
     inv_freq = yarn_inv_freq(dim, base, scaling_factor, original_max_positions, beta_fast, beta_slow, device)
-    positions = torch.arange(seq_len, dtype=torch.float32, device=device)  # (t,)
-    freqs = torch.outer(positions, inv_freq)  # (t, dim/2)
+    freqs = torch.outer(token_positions(seq_len, device, positions), inv_freq)  # (t, dim/2)
     return torch.cat((freqs, freqs), dim=-1)  # (t, dim)
