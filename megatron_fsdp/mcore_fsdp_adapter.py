@@ -23,6 +23,13 @@ whether the loop calls ``finish_grad_sync`` or megatron-core's ``finalize_model_
 distributed parameters for megatron-core's norm rule (buffers/param_and_grad_buffer.py
 [Note: Megatron-core's gradient norm]).
 
+A MoE model's experts (Megatron-core marks them ``allreduce=False`` under expert
+parallelism) shard over the ranks holding the same experts: Megatron-core's expert
+data-parallel group, or under HSDP its intra-partial expert data-parallel group
+replicated over the inter-instance group; the expert mesh carries an ``ep`` dimension
+for the gradient norm and the full state dict ([Note: the expert mesh of Megatron-core's
+groups]). Expert parallelism with tensor parallelism is refused.
+
 After ``finish_grad_sync()`` the reduced gradients sit in ``.grad`` of
 ``parameters()`` (the distributed main weights), where a plain torch optimizer
 reads them; after its ``step()`` call ``install_optimized_model_weights()``, or
@@ -44,7 +51,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from .comm import device as device_mod
 from .compat import megatron_core as mcore
 from .config import DistributedDataParallelConfig
-from .comm.distributed_index import FSDPDistributedIndex, build_default_mesh
+from .comm.distributed_index import EXPERT_PARALLEL_DIM, FSDPDistributedIndex, build_default_mesh
 from .enums import ShardingStrategy
 from .megatron_fsdp import MegatronFSDP
 from .state.model_state_dict import get_full_state_dict, sharded_state_dict
@@ -177,42 +184,45 @@ def _groups_from_parallel_state(hsdp: bool) -> Optional[_ParallelGroups]:
     return _ParallelGroups(ps.get_data_parallel_group(with_context_parallel=True), tp=tp)
 
 
-def _hsdp_grid(groups: _ParallelGroups) -> list[list[int]]:
+def _hsdp_grid(shard: dist.ProcessGroup, outer: dist.ProcessGroup, hybrid: dist.ProcessGroup,
+               what: str = "HSDP") -> list[list[int]]:
     """The (outer, shard) grid of the hybrid group's ranks, laid out like Megatron-core's
     (shard ranks contiguous); checked against the given groups."""
-    ranks = sorted(dist.get_process_group_ranks(groups.hybrid))
-    shard_size, outer_size = dist.get_world_size(groups.shard), dist.get_world_size(groups.outer)
+    ranks = sorted(dist.get_process_group_ranks(hybrid))
+    shard_size, outer_size = dist.get_world_size(shard), dist.get_world_size(outer)
     grid = torch.tensor(ranks).reshape(outer_size, shard_size).tolist()
     me = dist.get_rank()
     row = next(r for r in grid if me in r)
     column = [r[row.index(me)] for r in grid]
-    if row != dist.get_process_group_ranks(groups.shard) or column != dist.get_process_group_ranks(groups.outer):
+    if row != dist.get_process_group_ranks(shard) or column != dist.get_process_group_ranks(outer):
         raise ValueError(
-            f"the HSDP groups do not form a contiguous (outer={outer_size}, shard={shard_size}) grid over ranks "
+            f"the {what} groups do not form a contiguous (outer={outer_size}, shard={shard_size}) grid over ranks "
             f"{ranks}; build them as Megatron-core's parallel_state does (shard groups of consecutive ranks)"
         )
     return grid
 
 
-def _grid_with_tp(grid: list, tp: dist.ProcessGroup) -> list:
+def _grid_with_peers(grid: list, peers_group: dist.ProcessGroup, kind: str = "tensor-parallel") -> list:
     """[Note: the mesh of Megatron-core's groups] The engine's mesh is (data-parallel
-    dims..., tp): entry ``[i..., j]`` is the rank at data-parallel position ``i`` of
-    TP rank ``j``. Each TP peer contributes its own data-parallel grid (one object
-    all-gather over the TP group), so the mesh holds Megatron-core's actual groups
-    whatever its rank order; it is consistent when every TP peer sits at this rank's
-    data-parallel position in its own grid (the row through this rank is the TP group,
-    in TP-rank order: the order of Megatron-core's TP pieces) and no rank appears
-    twice. Anything else is refused: the engine's DTensors would mislabel pieces."""
-    ranks = dist.get_process_group_ranks(tp)
+    dims..., tp), and the expert mesh (expert data-parallel dims..., ep): entry
+    ``[i..., j]`` is the rank at data-parallel position ``i`` of peer ``j`` of the
+    ``kind`` group (TP or EP). Each peer contributes its own data-parallel grid (one
+    object all-gather over the group), so the mesh holds Megatron-core's actual groups
+    whatever its rank order; it is consistent when every peer sits at this rank's
+    data-parallel position in its own grid (the row through this rank is the group,
+    in its rank order: the order of Megatron-core's TP pieces, or of its experts) and
+    no rank appears twice. Anything else is refused: the engine's DTensors would
+    mislabel pieces."""
+    ranks = dist.get_process_group_ranks(peers_group)
     peers: list = [None] * len(ranks)
-    dist.all_gather_object(peers, grid, group=tp)
+    dist.all_gather_object(peers, grid, group=peers_group)
     where = (torch.tensor(grid) == dist.get_rank()).nonzero()[0].tolist()
     consistent = all(torch.tensor(p).shape == torch.tensor(grid).shape for p in peers)
     mesh = torch.tensor(peers).movedim(0, -1) if consistent else None
     if mesh is None or mesh[tuple(where)].tolist() != ranks or mesh.unique().numel() != mesh.numel():
         raise ValueError(
-            f"rank {dist.get_rank()}: the tensor-parallel group {ranks} and the data-parallel groups of its "
-            f"members {peers} do not form a (data-parallel x tensor-parallel) grid: each TP peer must sit at "
+            f"rank {dist.get_rank()}: the {kind} group {ranks} and the data-parallel groups of its "
+            f"members {peers} do not form a (data-parallel x {kind}) grid: each {kind} peer must sit at "
             "the same data-parallel position, and no rank may be in both. Build the groups with Megatron-core's "
             "parallel_state.initialize_model_parallel (or ProcessGroupCollection.use_mpu_process_groups())"
         )
@@ -227,9 +237,10 @@ def _device_mesh(groups: _ParallelGroups, device_type: str) -> DeviceMesh:
     dims, dim_groups = (_SHARD_DIM,), [groups.shard]
     grid: list = dist.get_process_group_ranks(groups.shard)
     if groups.outer is not None:
-        dims, dim_groups, grid = (_OUTER_DIM, _SHARD_DIM), [groups.outer, groups.shard], _hsdp_grid(groups)
+        dims, dim_groups = (_OUTER_DIM, _SHARD_DIM), [groups.outer, groups.shard]
+        grid = _hsdp_grid(groups.shard, groups.outer, groups.hybrid)
     if groups.tp_size > 1:
-        dims, dim_groups, grid = dims + (_TP_DIM,), dim_groups + [groups.tp], _grid_with_tp(grid, groups.tp)
+        dims, dim_groups, grid = dims + (_TP_DIM,), dim_groups + [groups.tp], _grid_with_peers(grid, groups.tp)
     return DeviceMesh.from_group(dim_groups, device_type, mesh=grid, mesh_dim_names=dims)
 
 
@@ -274,7 +285,8 @@ def build_dist_index(
     parallel state when initialized, else the whole world: data-parallel dimensions
     ``dp_cp`` (and ``outer_fsdp_dp`` under HSDP), plus ``tp`` when the tensor-parallel
     group is larger than one rank ([Note: the mesh of Megatron-core's groups]). With a
-    MoE ``config`` (``num_moe_experts``) it carries the expert mesh too."""
+    MoE ``config`` (``num_moe_experts``) it carries the expert mesh too
+    ([Note: the expert mesh of Megatron-core's groups])."""
     hsdp = ddp_config.num_distributed_optimizer_instances > 1
     if pg_collection is not None:
         groups = _groups_from_collection(pg_collection, hsdp)
@@ -290,21 +302,107 @@ def build_dist_index(
     else:
         _check_experts_with_tp(config, groups, pg_collection)
         index = _index_from_groups(groups, ddp_config, device_type)
-    expert_mesh = _expert_mesh(config, index, device_type, pg_collection)
-    if expert_mesh is None:
+    if not getattr(config, "num_moe_experts", None):
         return index
+    experts = _expert_groups(pg_collection, hsdp, index.dp_size) if groups is not None else None
+    if experts is None or experts.ep_size == 1:
+        expert_mesh, hybrid_expt = index.device_mesh, index.hybrid_fsdp_group  # experts shard like dense parameters
+    else:
+        expert_mesh, hybrid_expt = _expert_mesh(experts, device_type), experts.hybrid
     return FSDPDistributedIndex(
         index.device_mesh,
         dp_shard_dim=index.dp_shard_dim,
         dp_outer_dim=index.dp_outer_dim,
         tp_dim=index.tp_dim,
         hybrid_fsdp_group=index.hybrid_fsdp_group,
+        hybrid_fsdp_expt_group=hybrid_expt,
         hsdp_outer_dp_shard=index.hsdp_outer_dp_shard,
         expt_device_mesh=expert_mesh,
     )
 
 
-def _expert_groups(pg_collection: Any) -> tuple[Optional[dist.ProcessGroup], Optional[dist.ProcessGroup]]:
+# -- expert parallelism ----------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _ExpertGroups:
+    """Megatron-core's groups of a MoE model's experts: they shard over ``shard`` (the
+    ranks holding the same experts; under HSDP one optimizer instance's part of them),
+    replicate over ``outer`` under HSDP; ``ep`` holds the other experts."""
+
+    shard: dist.ProcessGroup
+    ep: dist.ProcessGroup
+    outer: Optional[dist.ProcessGroup] = None
+    hybrid: Optional[dist.ProcessGroup] = None
+    """All expert data-parallel ranks (shard x outer) under HSDP."""
+
+    @property
+    def ep_size(self) -> int:
+        return dist.get_world_size(self.ep)
+
+
+def _expert_groups(pg_collection: Any, hsdp: bool, dp_size: int) -> Optional[_ExpertGroups]:
+    """The expert groups of ``pg_collection`` (``expt_dp`` and ``ep``; under HSDP also
+    ``intra_expt_dp`` and ``inter_dist_opt``) or of Megatron-core's parallel state
+    (its expert data-parallel group, or under HSDP its intra-partial expert data-parallel
+    group and the inter-instance group); ``None`` without expert groups (no expert parallelism)."""
+    if pg_collection is None:
+        ps = mcore.loaded_module("megatron.core.parallel_state")
+        ep = ps.get_expert_model_parallel_group()
+        if not hsdp:
+            return _ExpertGroups(ps.get_expert_data_parallel_group(), ep)
+        # Megatron-core's inter-instance group is the inter-partial expert data-parallel
+        # group: dense and expert parameters share it.
+        return _ExpertGroups(ps.get_expert_data_parallel_group(partial_expert_data_parallel=True), ep,
+                             ps.get_inter_distributed_optimizer_instance_group(), ps.get_expert_data_parallel_group())
+    ep, expt_dp = getattr(pg_collection, "ep", None), getattr(pg_collection, "expt_dp", None)
+    if ep is None and expt_dp is not None and dist.get_world_size(expt_dp) != dp_size:
+        raise ValueError(
+            f"pg_collection.expt_dp spans {dist.get_world_size(expt_dp)} ranks, not the {dp_size} data-parallel "
+            "ranks, so the experts are spread over expert-parallel ranks, but pg_collection.ep is not set; set it "
+            "to the expert-parallel group (ProcessGroupCollection.use_mpu_process_groups() does)"
+        )
+    if ep is None or dist.get_world_size(ep) == 1:
+        return None
+    names = ("intra_expt_dp", "inter_dist_opt", "expt_dp") if hsdp else ("expt_dp",)
+    missing = [n for n in names if getattr(pg_collection, n, None) is None]
+    if missing:
+        raise ValueError(
+            f"pg_collection.ep spans {dist.get_world_size(ep)} ranks (expert parallelism) but pg_collection lacks "
+            f"{missing}, where the experts' gradients are reduced: set expt_dp (the ranks holding the same "
+            "experts)" + (", intra_expt_dp and inter_dist_opt (HSDP)" if hsdp else "")
+            + ", e.g. with ProcessGroupCollection.use_mpu_process_groups()"
+        )
+    if hsdp:
+        return _ExpertGroups(pg_collection.intra_expt_dp, ep, pg_collection.inter_dist_opt, pg_collection.expt_dp)
+    return _ExpertGroups(pg_collection.expt_dp, ep)
+
+
+def _expert_mesh(groups: _ExpertGroups, device_type: str) -> DeviceMesh:
+    """[Note: the expert mesh of Megatron-core's groups] Under expert parallelism each
+    expert-parallel rank holds other experts, so the experts shard (and reduce their
+    gradients) over the expert data-parallel ranks only: the engine's ``expt_device_mesh``
+    is (``dp_cp``, ``ep``), or under HSDP (``outer_fsdp_dp``, ``dp_cp``, ``ep``), its
+    data-parallel dimensions named as the dense mesh's because the engine reads both by
+    one name. Under HSDP the shard dimension is Megatron-core's intra-partial expert
+    data-parallel group and the outer one its inter-instance group, the grid checked
+    against them (``_hsdp_grid``); the ``ep`` dimension comes from the expert-parallel
+    peers' grids ([Note: the mesh of Megatron-core's groups]) and tells the engine whom
+    to combine the experts' gradient norm and full state with. Gradients still average
+    over the dense data-parallel size: the engine scales an expert's gradient, which
+    already sums the tokens of its expert-parallel group, by 1/dp before a SUM, or by
+    edp/dp before an AVG over the edp ranks (Megatron-core's
+    ``expert_gradient_scaling_factor``)."""
+    if groups.outer is None:
+        dims, dim_groups = (_SHARD_DIM,), [groups.shard]
+        grid: list = dist.get_process_group_ranks(groups.shard)
+    else:
+        dims, dim_groups = (_OUTER_DIM, _SHARD_DIM), [groups.outer, groups.shard]
+        grid = _hsdp_grid(groups.shard, groups.outer, groups.hybrid, what="expert HSDP")
+    grid = _grid_with_peers(grid, groups.ep, kind="expert-parallel")
+    return DeviceMesh.from_group(dim_groups + [groups.ep], device_type, mesh=grid,
+                                 mesh_dim_names=dims + (EXPERT_PARALLEL_DIM,))
+
+
+def _expert_tp_groups(pg_collection: Any) -> tuple[Optional[dist.ProcessGroup], Optional[dist.ProcessGroup]]:
     """(expert-parallel group, expert tensor-parallel group) of ``pg_collection`` or of
     Megatron-core's parallel state."""
     if pg_collection is not None:
@@ -318,38 +416,19 @@ def _check_experts_with_tp(config: Any, groups: _ParallelGroups, pg_collection: 
     tensor parallelism: the expert mesh would need its own (expert dp x expert tp) grid."""
     if not getattr(config, "num_moe_experts", None) or groups.tp_size == 1:
         return
-    ep, expt_tp = _expert_groups(pg_collection)
+    ep, expt_tp = _expert_tp_groups(pg_collection)
     ep_size = 1 if ep is None else dist.get_world_size(ep)
     expt_tp_ranks = dist.get_process_group_ranks(expt_tp) if expt_tp is not None else None
     if ep_size > 1 or expt_tp_ranks not in (None, dist.get_process_group_ranks(groups.tp)):
         raise NotImplementedError(
             f"a MoE model with expert parallelism (EP size {ep_size}) or an expert tensor-parallel group "
             f"{expt_tp_ranks} other than the tensor-parallel group {dist.get_process_group_ranks(groups.tp)} "
-            "is not supported by FullyShardedDataParallel together with tensor parallelism; use "
-            "expert_model_parallel_size=1 and expert_tensor_parallel_size=tensor_model_parallel_size, or "
-            "tensor_model_parallel_size=1"
+            "is not supported by FullyShardedDataParallel together with tensor parallelism (TP size "
+            f"{groups.tp_size}): the experts would need their own (expert data-parallel x expert tensor-parallel) "
+            "mesh, which this adapter does not build, and sharding them on the dense one would reduce other "
+            "experts' gradients together; use expert_model_parallel_size=1 and expert_tensor_parallel_size="
+            "tensor_model_parallel_size, or tensor_model_parallel_size=1 with expert parallelism"
         )
-
-
-def _expert_mesh(config: Any, index: FSDPDistributedIndex, device_type: str, pg_collection: Any) -> Optional[DeviceMesh]:
-    """The expert data-parallel mesh of a MoE model (``config.num_moe_experts``):
-    over ``pg_collection.expt_dp`` or Megatron-core's expert data-parallel group;
-    without either (no expert parallelism) experts shard like dense parameters."""
-    if not getattr(config, "num_moe_experts", None):
-        return None
-    group = getattr(pg_collection, "expt_dp", None) if pg_collection is not None else None
-    if group is None and pg_collection is None:
-        ps = mcore.loaded_module("megatron.core.parallel_state")
-        if ps is not None and ps.model_parallel_is_initialized():
-            group = ps.get_expert_data_parallel_group()
-    if group is None or dist.get_world_size(group) == index.shard_size * index.outer_size:
-        return index.device_mesh  # expert data parallelism spans every data-parallel rank
-    if index.dp_outer_dim is not None:
-        raise NotImplementedError(
-            "expert parallelism together with HSDP (num_distributed_optimizer_instances > 1) is not supported "
-            "by FullyShardedDataParallel; use num_distributed_optimizer_instances=1"
-        )
-    return DeviceMesh.from_group(group, device_type, mesh_dim_names=(index.dp_shard_dim,))
 
 
 def default_unit_modules(module: nn.Module, strategy: ShardingStrategy) -> list[type]:
@@ -386,9 +465,10 @@ class FullyShardedDataParallel(nn.Module):
             else CPU).
         pg_collection: Megatron-core ``ProcessGroupCollection``; its ``dp_cp``
             (or ``dp``) group is the shard group, plus ``intra_dp_cp`` /
-            ``inter_dist_opt`` under HSDP, and ``tp`` for tensor parallelism.
-            Default: Megatron-core's parallel state when initialized, else the
-            whole world.
+            ``inter_dist_opt`` under HSDP, and ``tp`` for tensor parallelism; for
+            a MoE model under expert parallelism ``ep`` and ``expt_dp`` (under HSDP
+            also ``intra_expt_dp``). Default: Megatron-core's parallel state when
+            initialized, else the whole world.
     """
 
     def __init__(
