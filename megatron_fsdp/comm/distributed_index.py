@@ -90,11 +90,12 @@ def build_hybrid_mesh(
 
 
 def _flatten_for_reductions(mesh: DeviceMesh) -> None:
-    """A norm of a tensor-parallel model's gradients is partial over every dimension of
-    (dp dims..., tp); DTensor reduces it in one all-reduce when the mesh has the
-    dimensions' flattened twin (one process group, made once here), else in one per
-    dimension (an order that may differ between ranks, and a warning)."""
-    if mesh.ndim < 2 or mesh.size(mesh.ndim - 1) == 1:  # no tensor parallelism: nothing to reduce over tp
+    """A norm of the gradients is partial over every dimension of a multi-dimensional
+    DTensor mesh ((dp_outer, dp_shard) under HSDP, (dp dims..., tp) under tensor
+    parallelism); DTensor reduces it in one all-reduce when the mesh has the dimensions'
+    flattened twin (one process group, made once here), else in one per dimension (an
+    order that may differ between ranks, and a warning)."""
+    if mesh.ndim < 2 or mesh.size(mesh.ndim - 1) == 1:  # a trivial last dimension: nothing to flatten for
         return
     try:
         mesh._flatten()
@@ -240,6 +241,7 @@ class FSDPDistributedIndex:
             outer_group = mesh[self.dp_outer_dim].get_group()
             dims = (self.dp_outer_dim, self.dp_shard_dim)
             dtensor_mesh = mesh[dims]
+            _flatten_for_reductions(dtensor_mesh)
             placements = (Shard(0) if self.hsdp_outer_dp_shard else Replicate(), Shard(0))
         mesh_with_tp = None
         if self.tp_dim is not None and has_submesh(mesh, self.tp_dim):
