@@ -13,6 +13,8 @@ Modules, one concern each:
   main weights gathered to one rank (legacy one-file checkpoints).
 - ``optimizer_state_dict.py``: the optimizer's state dict in the same standard form; its
   state gathered to one rank.
+- ``optimizer_names.py``: a MoE model's optimizer state keyed by parameter name in checkpoints
+  (the same key for an expert's state whatever the expert-parallel size).
 - ``eager_state.py``: an optimizer's per-parameter state created before its first step.
 - ``checkpoint.py``: ``save_checkpoint`` / ``load_checkpoint`` through DCP, atomic and
   checksummed.

@@ -27,8 +27,10 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.utils._pytree import tree_map
 
 from .eager_state import init_optimizer_state
+from .optimizer_names import (checkpoint_keys_by_name, keys_by_name, loads_keyed_by_name, parameter_names,
+                              state_dict_by_name)
 from .optimizer_state_dict import indexed_params, standardize_optimizer_state_dict
-from .model_state_dict import StateDictMismatchError, clone_for_load, state_dicts_on
+from .model_state_dict import StateDictMismatchError, clone_for_load, other_ranks_expert_keys, state_dicts_on
 
 logger = logging.getLogger(__name__)
 
@@ -58,10 +60,13 @@ def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> list[torch.
 # -- save ---------------------------------------------------------------------------------
 def checkpoint_state(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> dict[str, Any]:
     """What ``save_checkpoint`` hands DCP: ``{"model": ..., "optimizer": ...}`` (the launcher's
-    asynchronous save writes the same layout)."""
+    asynchronous save writes the same layout); a MoE model's optimizer state keyed by
+    parameter name ([Note: optimizer state by parameter name])."""
     state: dict[str, Any] = {"model": model.state_dict()}
     if optimizer is not None:
         state["optimizer"] = optimizer.state_dict()
+        if keys_by_name(model):
+            state["optimizer"] = state_dict_by_name(model, optimizer, state["optimizer"])
     return state
 
 
@@ -176,10 +181,18 @@ def _checkpoint_path(directory: str | os.PathLike) -> Path:
     raise FileNotFoundError(f"no checkpoint at {path} (no .metadata file); check the path passed to --load / load_checkpoint")
 
 
-def _validate_model_keys(model_state: dict, metadata: dict) -> None:
+def _other_ranks_expert_keys(model: nn.Module) -> set[str]:
+    """The expert parameters other expert-parallel ranks hold (collective over that group):
+    a checkpoint holds every expert, this rank loads its own."""
+    if getattr(model, "dist_index", None) is None:  # not a MegatronFSDP: no experts spread over ranks
+        return set()
+    return other_ranks_expert_keys(model)
+
+
+def _validate_model_keys(model_state: dict, metadata: dict, held_elsewhere: set[str] = frozenset()) -> None:
     saved = {k[len("model.") :]: v for k, v in metadata.items() if k.startswith("model.")}
     missing = [k for k in model_state if k not in saved]
-    unexpected = [k for k in saved if k not in model_state]
+    unexpected = [k for k in saved if k not in model_state and k.removeprefix("module.") not in held_elsewhere]
     mismatched = [
         f"{k}: checkpoint {tuple(saved[k].size)} vs model {tuple(v.shape)}"
         for k, v in model_state.items()
@@ -257,7 +270,8 @@ def load_checkpoint(
     renames = _wrapper_renames(model_state, metadata)
     if renames is not None:
         model_state = {renames[k]: v for k, v in model_state.items()}
-    _validate_model_keys(model_state, metadata)
+    _validate_model_keys(model_state, metadata, held_elsewhere=_other_ranks_expert_keys(model))
+    by_name = optimizer is not None and checkpoint_keys_by_name(metadata)
     created: list[torch.Tensor] = []
     try:
         state: dict[str, Any] = {"model": model_state}
@@ -266,7 +280,10 @@ def load_checkpoint(
             if any(k.startswith("optimizer.state.") for k in metadata):
                 created = materialize_optimizer_state(optimizer)
             with state_dicts_on("cpu"):
-                state["optimizer"] = tree_map(clone_for_load, _standard_state_dict(optimizer))
+                standard = _standard_state_dict(optimizer)
+                if by_name:
+                    standard = state_dict_by_name(model, optimizer, standard)
+                state["optimizer"] = tree_map(clone_for_load, standard)
             absent = _prune_absent_optimizer_state(state["optimizer"], metadata)
         dcp.load(state, checkpoint_id=str(path))
     except (Exception, CheckpointException) as exc:
@@ -281,10 +298,12 @@ def load_checkpoint(
         state["model"] = {back[k]: v for k, v in state["model"].items()}
     model.load_state_dict(state["model"])
     if optimizer is not None:
-        optimizer.load_state_dict(state["optimizer"])
+        with loads_keyed_by_name(model, optimizer, by_name):
+            optimizer.load_state_dict(state["optimizer"])
         params = indexed_params(optimizer)
-        for index in absent:
-            optimizer.state.pop(params[index], None)
+        names = parameter_names(model, optimizer) if by_name else None
+        for key in absent:
+            optimizer.state.pop(params[names.index(key) if by_name else key], None)
     return _load_extra_state(path)
 
 

@@ -336,13 +336,13 @@ def load_full_state_dict(model: ShardedModel, state_dict: Mapping[str, torch.Ten
     """Import a plain (unsharded) state dict, e.g. pretrained weights, into a sharded model.
     Under expert parallelism the whole model's dict holds every expert; each rank loads
     its own and leaves those the other expert-parallel ranks hold (collective then)."""
-    others = _other_ranks_expert_keys(model)
+    others = other_ranks_expert_keys(model)
     if others:
         state_dict = {k: v for k, v in state_dict.items() if torch_key(k).removeprefix(MODULE_PREFIX) not in others}
     return load_sharded_state_dict(model, state_dict, strict=strict)
 
 
-def _other_ranks_expert_keys(model: ShardedModel) -> set[str]:
+def other_ranks_expert_keys(model: ShardedModel) -> set[str]:
     """The parameter names the other expert-parallel ranks hold (in ``torch_key`` form)."""
     group = model.dist_index.expt_parallel_group
     if group is None:
