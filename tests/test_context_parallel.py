@@ -18,8 +18,8 @@
   first micro-batch's logits and loss within 1e-6; also with ``calculate_per_token_loss``.
   All four sharding strategies with ``MFSDP_EPCP_LONG=1``.
 * TP 2 x CP 2 at world 4 without FSDP (the TP plan, then CP): the same gradients and weights.
-* Refusals: multi-token prediction, attention dropout, MoE while ``MoELayer`` cannot take the
-  CP group, seq_length, meshes, twice, shares of odd length.
+* Refusals: multi-token prediction, attention dropout, seq_length, meshes, twice, shares of
+  odd length; MoE models are accepted (their layers take the CP group).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import megatron_fsdp as mf
-from megatron_fsdp.models import GPT, GPTConfig, MoELayer, TransformerBlock
+from megatron_fsdp.models import GPT, GPTConfig, TransformerBlock
 from megatron_fsdp.models.context_parallel import (
     _in_position_order,
     apply_context_parallel,
@@ -109,12 +109,8 @@ def test_problems_name_the_feature_why_and_the_remedy(overrides, words):
     assert len(problems) == 1 and words in problems[0], problems
 
 
-def test_moe_is_refused_until_moe_layers_take_the_cp_group():
-    problems = context_parallel_problems(GPTConfig(**dict(LLAMA, num_moe_experts=4, moe_router_topk=2)), 2)
-    if hasattr(MoELayer, "set_context_parallel_group"):
-        assert problems == []
-    else:
-        assert len(problems) == 1 and "MoELayer has no set_context_parallel_group" in problems[0]
+def test_moe_layers_are_told_the_cp_group():
+    assert context_parallel_problems(GPTConfig(**dict(LLAMA, num_moe_experts=4, moe_router_topk=2)), 2) == []
 
 
 # -- helpers ---------------------------------------------------------------------------------

@@ -23,6 +23,9 @@ Modules, one concern each:
   styles, torchtitan's order), applied before FSDP wrapping.
 - ``context_parallel.py``: ``apply_context_parallel``, Megatron-LM's load-balanced sequence split, the
   K/V all-gather exchange of each attention layer and Megatron-LM's context-parallel loss.
+- ``expert_parallel.py``: ``apply_expert_parallel`` (each EP rank keeps its block of experts under
+  their global names; tokens exchanged all-to-all, Megatron's dispatcher), ``set_expert_capacity``
+  (token dropping).
 - ``presets.py``: named configurations of record.
 - ``mcore.py``: megatron-core's ``GPTModel`` from a ``GPTConfig`` and our weights in its layout;
   ``mcore_mla.py`` and ``mcore_mtp.py`` its MLA and MTP parts; ``mcore_specs.py`` the

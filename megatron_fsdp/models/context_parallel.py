@@ -52,8 +52,9 @@ data x context ranks and the training loop divides them by the global batch's to
 the local counts summed over every data x context rank.
 
 Refused (``context_parallel_problems``): multi-token prediction (its shifted labels and
-embeddings cross chunk borders), attention dropout (each rank would draw its own masks),
-and mixture-of-experts models while ``MoELayer`` has no ``set_context_parallel_group``.
+embeddings cross chunk borders) and attention dropout (each rank would draw its own masks).
+Mixture-of-experts layers are told the CP group (``MoELayer.set_context_parallel_group``):
+their balancing losses count the whole sequences' tokens (router.py).
 Multi-latent attention, learned positions, RoPE (any layout, partial) and YaRN are supported;
 hidden dropout too (per-token masks, drawn per rank as under data parallelism).
 """
@@ -72,7 +73,6 @@ from torch.profiler import record_function
 from .config import GPTConfig
 from .gpt import GPT
 from .losses import token_cross_entropy
-from .moe import MoELayer
 
 __all__ = [
     "CollectiveCounts",
@@ -219,11 +219,6 @@ class KeyValueGather:
 
 
 # -- applying it -------------------------------------------------------------------------------
-def _moe_takes_cp_group() -> bool:
-    """Whether MoE layers can be told the CP group (``MoELayer.set_context_parallel_group``)."""
-    return callable(getattr(MoELayer, "set_context_parallel_group", None))
-
-
 def context_parallel_problems(cfg: GPTConfig, cp: int) -> list[str]:
     """Why ``apply_context_parallel`` cannot share a GPT of ``cfg``'s sequences over ``cp``
     ranks (empty: it can). Pure; for the launcher's validation too."""
@@ -234,10 +229,6 @@ def context_parallel_problems(cfg: GPTConfig, cp: int) -> list[str]:
         (cfg.attention_dropout > 0, f"attention dropout (attention_dropout={cfg.attention_dropout})",
          "each rank would draw its own mask over its rows of the attention matrix, not the whole model's; set "
          "attention_dropout=0 (--attention-dropout 0)"),
-        (cfg.num_moe_experts is not None and not _moe_takes_cp_group(),
-         f"mixture of experts (num_moe_experts={cfg.num_moe_experts})",
-         "MoELayer has no set_context_parallel_group, so its routing statistics would see one rank's tokens only; "
-         "train MoE models at context-parallel size 1"),
     ]
     problems = [f"{name} with context parallelism: {why}" for on, name, why in unsupported if on]
     if cfg.seq_length % (2 * cp):

@@ -12,15 +12,17 @@ noise ``logits.clone().normal_()`` -- the logits' shape, dtype and device -- ins
 fork of its CUDA RNG tracker's expert-parallel stream, seeded once with
 ``seed + 1024 + 100 * expert-parallel rank + expert-tensor-parallel rank``; one stream
 serves every layer, each forward advances it, and the default generators are left
-alone. Here, with expert (tensor) parallel size 1 and one pipeline stage, that is
-seed + 1024 on every rank: ``ForcedRoutingStream`` is that stream, a
+alone. Here, with expert tensor-parallel size 1 and one pipeline stage, that is
+seed + 1024 + 100 x EP rank: ``ForcedRoutingStream`` is that stream, a
 ``torch.Generator`` on the logits' device seeded with the seed ``torch.manual_seed``
 last set when the model was built (the launcher's ``--seed``) plus 1024, shared by all
-routers of a model and drawn in forward order. Consequences, all as in megatron-core at
-expert-parallel size 1: every data-parallel rank draws the same noise, so a micro batch
-of the same shape is routed identically on every rank; and the noise of a given token
-is the same as megatron-core's because it is drawn in megatron-core's (sequence, batch)
-order and transposed to our batch-major rows.
+routers of a model and drawn in forward order; ``apply_expert_parallel`` moves it to its
+EP rank's seed (``for_expert_parallel_rank``). Consequences, all as in megatron-core: at
+expert-parallel size 1 every data-parallel rank draws the same noise, so a micro batch
+of the same shape is routed identically on every rank; under expert parallelism the EP
+ranks draw different noise (so the routing is not expert-parallel size 1's); and the
+noise of a given token is the same as megatron-core's because it is drawn in
+megatron-core's (sequence, batch) order and transposed to our batch-major rows.
 
 Not reproduced: where the stream stands at the first forward of a Megatron-LM run.
 Megatron-LM initialising its expert weights on the GPU draws them from the same
@@ -45,7 +47,9 @@ from typing import Iterator, Optional
 import torch
 
 EXPERT_STREAM_SEED_OFFSET = 1024
-"""megatron-core's expert-parallel stream seed: seed + 1024 (+ 100 x EP rank + ETP rank, both 0 here)."""
+"""megatron-core's expert-parallel stream seed: seed + 1024 (+ 100 x EP rank + ETP rank, the latter 0 here)."""
+EXPERT_RANK_SEED_STRIDE = 100
+"""megatron-core's seed step between expert-parallel ranks."""
 
 
 class ForcedRoutingStream:
@@ -60,6 +64,11 @@ class ForcedRoutingStream:
     def from_torch_seed(cls) -> "ForcedRoutingStream":
         """The stream of a model built after ``torch.manual_seed(seed)``: seed + 1024."""
         return cls(torch.initial_seed() + EXPERT_STREAM_SEED_OFFSET)
+
+    def for_expert_parallel_rank(self, ep_rank: int) -> "ForcedRoutingStream":
+        """A fresh stream for EP rank ``ep_rank``: this one's seed + 100 x ``ep_rank`` (build the
+        model's stream at EP rank 0's seed, then move every rank's here once, before any draw)."""
+        return ForcedRoutingStream(self.seed + EXPERT_RANK_SEED_STRIDE * ep_rank)
 
     def _generator(self, device: torch.device) -> torch.Generator:
         generator = self._generators.get(device)

@@ -45,19 +45,62 @@ again: it is recognised by running inside a backward graph task, and reads the
 running mean the first forward left (the backward of a micro batch runs before the
 next micro batch's forward). megatron-core's reentrant checkpoint counts in the
 recomputation instead of the first forward: the same counts.
+
+[Note: expert capacity] Megatron-LM's ``--moe-expert-capacity-factor`` (``ExpertCapacity``,
+set with ``expert_parallel.set_expert_capacity``): after the top-k choice, as megatron-core's
+``apply_router_token_dropping``, each expert keeps at most C = ceil(n k / E x factor) of the
+picks of one forward's n tokens -- the tokens this rank routes, so C is per rank and per micro
+batch, whatever the expert-parallel size -- and the rest are dropped: the token gets nothing
+from that expert (its other picks keep their weights, not renormalised). ``probs`` keeps each
+expert's C picks of highest weight, ``position`` its C earliest tokens in megatron-core's
+(sequence position, sequence) order. megatron-core ranks with ``topk`` along the tokens, whose
+order among equal keys is unspecified; here equal keys go to the earlier pick. For ``probs``
+the two then differ only on exact ties of routing weights; for ``position`` megatron-core's
+``topk`` of its 0/1 routing map is all ties, and which of an over-full expert's tokens it keeps
+is whatever the kernel returns (on CPU not the earliest): here it is the documented rule, the
+earliest positions. The balancing losses ignore the drop (they take their own top-k of the
+scores); the expert-bias counts see it (megatron-core counts the dropped routing map). Not
+with Sinkhorn routing (megatron-core's rule).
+
+[Note: balancing losses under context parallelism] With CP the tokens of each sequence are
+spread over the CP ranks (``MoELayer.set_context_parallel_group``). As megatron-core's router
+(its ``tp_cp`` group, TP being 1 for MoE here), ``aux_loss`` and ``seq_aux_loss`` sum their
+tokens per expert (per sequence for the latter) over the CP group and count the tokens as
+local x CP, while the scores stay local: each rank's loss is its share, and the shares of a
+CP group add up to the loss of the whole sequences. The gradient each share gets is the
+micro batch's factor x CP (megatron-core's schedule sets ``MoEAuxLossAutoScaler`` to
+loss_scale x CP / micro batches), which the engine's average over the data x context ranks
+divides out again: the router's gradient is the whole sequences' (moe.py,
+[Note: attaching the aux loss]).
+
+[Note: where the counts are reduced] Over which ranks each count is summed, here and in
+megatron-core (Megatron-LM's groups in brackets; TP is 1 for MoE here):
+- ``aux_loss``: the CP group (``tp_cp``); T = local tokens x CP. Not over data parallelism:
+  the loss is per forward of each data-parallel rank.
+- ``seq_aux_loss``: the per-sequence counts, over the CP group (``tp_cp``); T = local length x CP.
+- ``global_aux_loss``: ``data_parallel_group`` (``tp_dp_cp``), in every forward; with CP that
+  group must hold the data x context ranks (the default group does, at TP 1); T = local x its size.
+- expert bias: ``finish_global_batch``'s group (``tp_dp_cp`` in ``_update_router_expert_bias``),
+  once per global batch: the data x context ranks.
+Expert parallelism changes none of them: the router is dense, every rank scores its own tokens
+against all E experts and counts its own picks, so the counts -- and the losses and the bias --
+are those of expert-parallel size 1; the EP group carries only the tokens (expert_parallel.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Optional
+import math
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.profiler import record_function
 
-from .config import GPTConfig, MoELoadBalancing, RouterDtype, ScoreFunction
+from .config import GPTConfig, MoELoadBalancing, RouterDtype, ScoreFunction, _ParsedEnum
 from .forced_routing import ForcedRoutingStream, random_logits
 
 _ROUTER_DTYPES = {RouterDtype.FP32: torch.float32, RouterDtype.FP64: torch.float64}
@@ -117,6 +160,84 @@ def route(logits: torch.Tensor, topk: int, pre_softmax: bool = False, scaling_fa
     if scaling_factor is not None:
         probs = probs * scaling_factor
     return probs.type_as(logits), indices
+
+
+# -- token dropping ([Note: expert capacity]) ---------------------------------------------------
+class TokenDropPolicy(_ParsedEnum):
+    """Megatron's ``--moe-token-drop-policy``: which routed tokens an expert over capacity drops."""
+
+    PROBS = "probs"
+    """Keep the picks with the highest routing weights (megatron-core's default)."""
+    POSITION = "position"
+    """Keep the earliest tokens in megatron-core's token order: sequence position first, then
+    the sequence (its activations are (t, b)); the tokens at the end of the sequences go."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExpertCapacity:
+    """Megatron's token-dropping settings for one MoE layer ([Note: expert capacity])."""
+
+    factor: float
+    """``--moe-expert-capacity-factor``: an expert takes at most ceil(n k / E x factor) of the
+    n k picks of one forward's n tokens (megatron-core's ``get_capacity``)."""
+    drop_policy: Union[TokenDropPolicy, str] = TokenDropPolicy.PROBS
+    """``--moe-token-drop-policy``."""
+    pad_to_capacity: bool = False
+    """``--moe-pad-expert-input-to-capacity``: megatron-core then feeds every expert exactly its
+    capacity, the gaps filled with zero-weight tokens, for static shapes. The outputs and
+    gradients are those of the unpadded drop, so nothing is padded here; what it does change,
+    as in megatron-core, is the expert-bias count: every expert counts its capacity (or every
+    token, when the capacity exceeds them), so the bias stands still."""
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.factor, (int, float)) and math.isfinite(self.factor) and self.factor > 0):
+            raise ValueError(f"moe_expert_capacity_factor={self.factor!r} must be a positive number (1.0: each expert "
+                             "takes its even share of the picks); pass None for dropless routing")
+        object.__setattr__(self, "drop_policy", TokenDropPolicy.parse(self.drop_policy, arg_name="moe_token_drop_policy"))
+
+    def capacity(self, num_tokens: int, topk: int, num_experts: int) -> int:
+        """megatron-core's ``get_capacity`` of the n x k picks, over this forward's (local) tokens."""
+        return math.ceil((num_tokens * topk / num_experts) * self.factor)
+
+    def keep(self, probs: torch.Tensor, indices: torch.Tensor, num_experts: int,
+             sequences: int) -> Optional[torch.Tensor]:
+        """probs, indices (n, k) of ``sequences`` batch-major sequences -> (n, k) bool: the picks
+        within their expert's capacity; None when no expert is over it."""
+        n, k = indices.shape
+        capacity = self.capacity(n, k, num_experts)
+        if capacity >= n:  # no expert can hold more than every token once
+            return None
+        if self.drop_policy is TokenDropPolicy.PROBS:
+            priority = probs.detach().reshape(-1)  # (n * k,)
+        else:  # megatron-core's token index of batch-major row i = b * t + s is s * B + b
+            rows = torch.arange(n, device=indices.device)
+            length = n // sequences
+            priority = -((rows % length) * sequences + rows // length).repeat_interleave(k)  # (n * k,)
+        return keep_within_capacity(priority, indices.reshape(-1), num_experts, capacity).view(n, k)
+
+    def routed_counts(self, indices: torch.Tensor, keep: Optional[torch.Tensor], num_experts: int) -> torch.Tensor:
+        """Tokens per expert (E,) the expert-bias update counts: the kept picks, or with
+        ``pad_to_capacity`` the padded inputs, min(capacity, n) for every expert."""
+        if self.pad_to_capacity:
+            n, k = indices.shape
+            fill = min(self.capacity(n, k, num_experts), n)
+            return torch.full((num_experts,), float(fill), device=indices.device)
+        return expert_counts(indices if keep is None else indices[keep], num_experts)
+
+
+def keep_within_capacity(priority: torch.Tensor, experts: torch.Tensor, num_experts: int,
+                         capacity: int) -> torch.Tensor:
+    """priority (m,), experts (m,) the expert of each pick -> (m,) bool: every expert keeps its
+    ``capacity`` picks of highest priority, ties going to the earlier pick."""
+    m = experts.numel()
+    order = torch.argsort(priority, descending=True, stable=True)
+    order = order[torch.argsort(experts[order], stable=True)]  # grouped by expert, best first
+    per_expert = torch.bincount(experts, minlength=num_experts)
+    starts = per_expert.cumsum(0) - per_expert
+    rank = torch.arange(m, device=experts.device) - starts[experts[order]]  # place within its expert
+    keep = torch.empty(m, dtype=torch.bool, device=experts.device)
+    keep[order] = rank < capacity
+    return keep
 
 
 def sinkhorn(cost: torch.Tensor, tol: float = 1e-4) -> torch.Tensor:
@@ -187,11 +308,15 @@ def switch_load_balancing_loss(logits: torch.Tensor, indices: torch.Tensor, coef
     return switch_loss(scores, expert_counts(indices, scores.shape[-1]), logits.shape[0], indices.shape[-1], coeff)
 
 
-def sequence_loss(scores: torch.Tensor, indices: torch.Tensor, coeff: float, num_sequences: int) -> torch.Tensor:
+def sequence_loss(scores: torch.Tensor, indices: torch.Tensor, coeff: float, num_sequences: int,
+                  group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
     """``seq_aux_loss``: the Switch loss of each sequence's tokens on their own (counts and
     mean scores per sequence), averaged over the sequences -- what megatron-core gets by
     folding the batch into the expert axis. ``scores`` (b * t, E) in batch-major token
-    order (b sequences of t tokens), ``indices`` (b * t, k)."""
+    order (b sequences of t tokens), ``indices`` (b * t, k). ``group``: the context-parallel
+    group sharing every sequence (each rank holds t of its CP x t tokens): the per-sequence
+    counts are summed over it and the length is CP x t, so the value is this rank's share of
+    the whole sequences' loss ([Note: balancing losses under context parallelism])."""
     num_tokens, num_experts = scores.shape
     topk = indices.shape[-1]
     length = num_tokens // num_sequences
@@ -199,7 +324,9 @@ def sequence_loss(scores: torch.Tensor, indices: torch.Tensor, coeff: float, num
     picks = indices.reshape(num_sequences, length * topk)
     counts = torch.zeros(num_sequences, num_experts, dtype=scores.dtype, device=scores.device)
     counts.scatter_add_(1, picks, torch.ones_like(picks, dtype=scores.dtype))  # (b, E)
-    scale = num_experts * coeff / (topk * length * length)
+    counts = sum_over_group(counts, group, "seq_aux_loss_counts")
+    whole = length * group_size(group)
+    scale = num_experts * coeff / (topk * whole * whole)
     return (scores.sum(dim=1) * counts).sum() * scale / num_sequences
 
 
@@ -218,6 +345,22 @@ def _recomputing() -> bool:
 
 def _world(group) -> int:
     return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
+def group_size(group: Optional[dist.ProcessGroup]) -> int:
+    """Ranks of an optional group (the context-parallel one): None is one rank, not the world."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def sum_over_group(counts: torch.Tensor, group: Optional[dist.ProcessGroup], label: str) -> torch.Tensor:
+    """``counts`` summed over ``group`` (a new tensor, no gradient); ``counts`` itself when
+    ``group`` is None or one rank. One all-reduce, labelled for profiles and tests."""
+    if group_size(group) == 1:
+        return counts
+    with torch.no_grad(), record_function(f"megatron_fsdp::moe_all_reduce:{label}"):
+        summed = counts.detach().clone()
+        dist.all_reduce(summed, group=group)
+    return summed
 
 
 class TopKRouter(nn.Module):
@@ -300,13 +443,14 @@ class TopKRouter(nn.Module):
             return F.linear(tokens.to(self.router_dtype), self.weight.to(self.router_dtype), bias)  # (n, E)
 
     # -- balancing state -----------------------------------------------------------------------
-    def count_routed(self, indices: torch.Tensor) -> None:
-        """Add a training forward's tokens per expert (indices (n, k)) to
+    def count_routed(self, counts: torch.Tensor) -> None:
+        """Add a training forward's tokens per expert (E,) (the routed picks that reach
+        their experts: after token dropping, as megatron-core counts its routing map) to
         ``local_tokens_per_expert``; see [Note: counting under recomputation]."""
         if self.local_tokens_per_expert is None or not torch.is_grad_enabled() or _recomputing():
             return
         with torch.no_grad():
-            self.local_tokens_per_expert += expert_counts(indices, self.local_tokens_per_expert.numel())
+            self.local_tokens_per_expert += counts.to(self.local_tokens_per_expert.dtype)
 
     def global_load_balancing_loss(self, scores: torch.Tensor, indices: torch.Tensor, coeff: float) -> torch.Tensor:
         """The global aux loss of this forward ([Note: global aux loss]): local scores (n, E),
