@@ -1,8 +1,10 @@
 """Tools beside the engine: the scale planner.
 
 - ``plan.py``: per-rank memory and per-step collectives of a preset GPT, derived from its
-  structure alone, with data parallelism and optionally tensor parallelism (``tp``).
+  structure alone, with data parallelism and optionally tensor (``tp``), context (``cp``)
+  and expert (``ep``) parallelism, and the activation collectives of TP, CP and EP.
 - ``simulate.py``: the same model built through the engine on torch's fake process group
-  (under the embedded models' TP plan when ``tp`` > 1), its DTensor collectives recorded.
+  (laid out as the launcher lays it out: TP plan, CP attention, rank 0's experts), its
+  buffers read and its collectives recorded.
 - ``plan_cli.py``: the command line (``python -m megatron_fsdp.tools.plan_cli``, ``scripts/plan.py``).
 """

@@ -1,8 +1,10 @@
 """The planner's command line: ``python -m megatron_fsdp.tools.plan_cli`` (and ``scripts/plan.py``).
 
 Prints ``plan.py``'s per-rank memory and per-step collectives of a preset GPT (``--tp N``:
-tensor parallelism, data parallelism over ``--world / N``), and with ``--check`` compares
-them with a build on torch's fake process group (``simulate.py``).
+tensor parallelism; ``--cp N``: context parallelism; ``--ep N``: expert parallelism of a
+mixture-of-experts preset; dense parameters shard over ``--world / tp``, experts over
+``--world / ep``), the activation collectives of TP, EP and CP per microbatch, and with
+``--check`` compares them with a build on torch's fake process group (``simulate.py``).
 Its own module because it is the one place that needs both: the simulation builds
 through the plan's requests, so the plan cannot import it back.
 """
@@ -28,14 +30,21 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m megatron_fsdp.tools.plan_cli", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="8b", help=f"preset: {', '.join(model_names())}")
-    parser.add_argument("--world", type=int, default=8, help="ranks in all: data-parallel x tensor-parallel")
+    parser.add_argument("--world", type=int, default=8,
+                        help="ranks in all: data-parallel x context-parallel x tensor-parallel")
     parser.add_argument("--tp", type=int, default=1,
                         help="tensor-parallel ranks (dividing --world, the heads, query groups and ffn); "
                              "the data-parallel size is world / tp")
+    parser.add_argument("--cp", type=int, default=1,
+                        help="context-parallel ranks sharing each sequence (dividing --world / --tp; the sequence "
+                             "length a multiple of 2 x cp); dense parameters stay sharded over world / tp")
+    parser.add_argument("--ep", type=int, default=1,
+                        help="expert-parallel ranks sharing each MoE layer's experts (MoE presets; dividing the "
+                             "experts and --world); experts shard over world / ep")
     parser.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                         help="pad the vocabulary to a multiple of this times --tp (Megatron-LM's rule)")
     parser.add_argument("--micro-batch-size", type=int, default=1,
-                        help="sequences per microbatch (sizes the TP activation collectives and --check's steps)")
+                        help="sequences per microbatch (sizes the activation collectives and --check's steps)")
     parser.add_argument("--seq-length", type=int, default=None, help="tokens per sequence (default: the preset's)")
     parser.add_argument("--strategy", default="optim_grads_params", help="0-3, a strategy name, or 'all'")
     parser.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16"], help="compute dtype")
@@ -62,6 +71,8 @@ def requests_from(args: argparse.Namespace) -> list[PlanRequest]:
             main_grads_dtype=_DTYPES[args.main_grads_dtype],
             grad_comm_dtype=_DTYPES[args.grad_comm_dtype],
             tp=args.tp,
+            cp=args.cp,
+            ep=args.ep,
             make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
             micro_batch_size=args.micro_batch_size,
             seq_length=args.seq_length,
