@@ -342,7 +342,8 @@ def run(args, device: torch.device) -> int:
     bundle = setup_model_and_optimizer(args, device)
     describe_run(args, device, bundle.num_parameters)
     layout = BatchLayout(micro_batch_size=args.micro_batch_size, num_microbatches=args.num_microbatches,
-                         dp_rank=bundle.data_parallel_rank, dp_size=args.data_parallel_size)
+                         dp_rank=bundle.data_parallel_rank, dp_size=args.data_parallel_size,
+                         cp_rank=bundle.context_parallel_rank, cp_size=bundle.context_parallel_size)
     ctx = StepContext(bundle=bundle, schedule=LRSchedule.from_args(args), scaler=LossScaler.from_args(args),
                       layout=layout, device=device, clip_grad=args.clip_grad,
                       per_token_loss=args.calculate_per_token_loss,

@@ -5,7 +5,12 @@ from the parsed flags.
 With ``--tensor-model-parallel-size`` > 1 the embedded GPT is split by its tensor-parallel
 plan (``models/tensor_parallel.py``) on the mesh's ``tp`` dimension before Megatron-FSDP
 wraps it over the data-parallel dimensions (ranks in Megatron-LM's order:
-parallel_dims.py, [Note: rank order]). Megatron-core's GPTModel is built with its own TP
+parallel_dims.py, [Note: rank order]). With ``--expert-model-parallel-size`` > 1 each MoE
+layer keeps its EP rank's block of experts (``models/expert_parallel.py``), which the
+engine shards over the expert mesh's data-parallel dimension; with
+``--context-parallel-size`` > 1 the model takes its CP rank's chunks of each sequence
+(``models/context_parallel.py``) and the dense weights are sharded over the data x
+context ranks (see [Note: the run's process layout]). Megatron-core's GPTModel is built with its own TP
 layers on megatron-core's parallel state, initialised here with the TP size in the same
 order, and its ``FullyShardedDataParallel`` takes the mesh from those groups.
 
@@ -28,11 +33,13 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 import megatron_fsdp as mf
 from megatron_fsdp.comm import device as device_mod
+from megatron_fsdp.models.context_parallel import apply_context_parallel
+from megatron_fsdp.models.expert_parallel import apply_expert_parallel, set_expert_capacity
 from megatron_fsdp.models.gpt import GPT, GPTConfig, TransformerBlock
 from megatron_fsdp.models.tensor_parallel import apply_tensor_parallel
 # LogitsGradInBF16 lived here before: importable from here still.
@@ -44,6 +51,8 @@ from megatron_fsdp.parallel_dims import ParallelDims
 
 logger = logging.getLogger(__name__)
 
+_ENGINE_PATHS = (DataParallelPath.MEGATRON_FSDP, DataParallelPath.MEGATRON_DDP)
+"""The data-parallel paths that wrap the model with this engine (TP, CP and EP run on them only)."""
 _PRECISION_DTYPES = {Precision.FP32: torch.float32, Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
 
 # (inputs, targets) -> (sum of token losses, number of tokens)
@@ -71,8 +80,18 @@ class ModelBundle:
     """This rank's data-parallel rank, whose samples it trains on (the TP ranks of one
     data-parallel rank read the same ones: parallel_dims.py, [Note: rank order])."""
     data_parallel_group: Optional[dist.ProcessGroup] = None
-    """The group the training step sums losses and token counts over (the ranks of one TP
-    piece); None: every rank."""
+    """The data-parallel ranks of this rank's TP piece and CP part (its size is Megatron-LM's
+    data-parallel size, which the logged side losses are averaged over); None: every rank."""
+    loss_group: Optional[dist.ProcessGroup] = None
+    """The group the training step sums losses and token counts over: the data x context
+    ranks of this rank's TP piece (Megatron-LM's data-parallel group with context
+    parallelism); None: every rank."""
+    context_parallel_rank: int = 0
+    """Which CP chunks of each sequence this rank trains on (``BatchLayout.cp_rank``)."""
+    context_parallel_size: int = 1
+    expert_parallel_group: Optional[dist.ProcessGroup] = None
+    """The expert-parallel group when experts are spread over ranks (EP > 1), else None:
+    gradient and weight norms then combine the experts' over it (each EP rank holds others)."""
 
     @property
     def params(self) -> list[torch.Tensor]:
@@ -97,26 +116,72 @@ def _local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def _parallel_layout(args, device: torch.device):
-    """(``ParallelDims``, the wrapper's TP / HSDP mesh or None, the data-parallel group or
-    None for every rank). Collective. Megatron-core models get megatron-core's parallel
-    state instead (``_mcore_parallel_state``), from whose groups its adapter builds the
-    mesh; the PyTorch wrappers lay out their own groups."""
+# [Note: the run's process layout] ``ParallelDims`` (parallel_dims.py) lays the ranks out in
+# Megatron-LM's order and builds the meshes; the launcher only picks them up. The dense
+# mesh (None when neither TP, CP nor HSDP needs one: the engine then shards over every
+# rank) carries TP's ``tp`` and CP's ``cp`` dimension; the dense weights shard over its
+# data x context dimension. The expert mesh (MoE models) carves EP groups of consecutive
+# ranks out of the data x context ranks and shards each expert over the ranks holding the
+# same experts. The training step sums its losses and token counts over the data x context
+# ranks of one TP piece (``loss_group``), as Megatron-LM reduces its reported loss over the
+# data-parallel group with context parallelism. The MoE routers sum their global-aux-loss
+# and expert-bias counts over every rank (their default group, ``GPT.set_moe_data_parallel_group``
+# left unset, and ``finish_global_batch``'s): Megatron-LM's tensor x data x context group,
+# since MoE runs at TP 1 here.
+@dataclasses.dataclass(kw_only=True)
+class ParallelLayout:
+    """The run's meshes and groups (see [Note: the run's process layout])."""
+
+    dims: ParallelDims
+    mesh: Optional[DeviceMesh] = None
+    """The wrapper's dense mesh; None: the engine's default group (every rank)."""
+    data_parallel_group: Optional[dist.ProcessGroup] = None
+    loss_group: Optional[dist.ProcessGroup] = None
+    expert_mesh: Optional[DeviceMesh] = None
+    """MoE models on this engine: ``(dp_outer, <shard_dim>, ep)``; None otherwise."""
+
+    @property
+    def tp_mesh(self) -> Optional[DeviceMesh]:
+        return self.dims.tp_mesh(self.mesh)
+
+    @property
+    def cp_mesh(self) -> Optional[DeviceMesh]:
+        return self.dims.cp_mesh(self.mesh)
+
+    @property
+    def ep_mesh(self) -> Optional[DeviceMesh]:
+        return self.dims.ep_mesh(self.expert_mesh)
+
+
+def _parallel_layout(args, device: torch.device) -> ParallelLayout:
+    """The run's ``ParallelLayout``. Collective. Megatron-core models get megatron-core's
+    parallel state instead (``_mcore_parallel_state``), from whose groups its adapter builds
+    the mesh; the PyTorch wrappers lay out their own groups."""
     dims = ParallelDims.from_args(args, dist.get_world_size() if dist.is_initialized() else 1)
-    # validation refuses these (tp_flags.py); a caller that skipped it learns why here
+    # validation refuses these (tp_flags.py, ep_cp_flags.py); a caller that skipped it learns why here
+    if (dims.cp > 1 or dims.ep > 1) and (args.use_mcore_models or args.dp_path not in _ENGINE_PATHS):
+        raise ValueError(f"--context-parallel-size {dims.cp} / --expert-model-parallel-size {dims.ep} need the "
+                         f"embedded GPT on this engine, not {args.dp_path.name}"
+                         f"{' with --use-mcore-models' if args.use_mcore_models else ''}; add --use-megatron-fsdp")
     if args.use_mcore_models:
         if dims.tp > 1 and args.dp_path is not DataParallelPath.MEGATRON_FSDP:
             raise ValueError(f"--tensor-model-parallel-size {dims.tp} with --use-mcore-models needs Megatron-FSDP "
                              f"(megatron-core's TP layers in its FullyShardedDataParallel), not "
                              f"{args.dp_path.name}; add --use-megatron-fsdp")
-        return dims, None, _mcore_parallel_state(dims) if dist.is_initialized() else None
-    if args.dp_path not in (DataParallelPath.MEGATRON_FSDP, DataParallelPath.MEGATRON_DDP):
+        group = _mcore_parallel_state(dims) if dist.is_initialized() else None
+        return ParallelLayout(dims=dims, data_parallel_group=group, loss_group=group)
+    if args.dp_path not in _ENGINE_PATHS:
         if dims.tp > 1:
             raise ValueError(f"--tensor-model-parallel-size {dims.tp} needs Megatron-FSDP or Megatron-core DDP on "
                              f"this engine, not {args.dp_path.name}; add --use-megatron-fsdp")
-        return dims, None, None
-    mesh = dims.build_mesh(device_mod.mesh_device_type(device))
-    return dims, mesh, dims.data_parallel_group(mesh)
+        return ParallelLayout(dims=dims)
+    device_type = device_mod.mesh_device_type(device)
+    mesh = dims.build_mesh(device_type)
+    dp_group = dims.data_parallel_group(mesh)
+    loss_group = dims.data_context_group(mesh) if dims.cp > 1 else dp_group
+    expert_mesh = dims.build_expert_mesh(device_type) if args.num_experts is not None else None
+    return ParallelLayout(dims=dims, mesh=mesh, data_parallel_group=dp_group, loss_group=loss_group,
+                          expert_mesh=expert_mesh)
 
 
 def _mcore_parallel_state(dims: ParallelDims) -> Optional[dist.ProcessGroup]:
@@ -144,16 +209,21 @@ def _mcore_parallel_state(dims: ParallelDims) -> Optional[dist.ProcessGroup]:
 
 
 def setup_model_and_optimizer(args, device: torch.device) -> ModelBundle:
-    dims, mesh, dp_group = _parallel_layout(args, device)
+    layout = _parallel_layout(args, device)
+    dims = layout.dims
     if args.use_mcore_models:
         module, loss_fn_factory, unit_modules = _build_mcore_model(args, device)
     else:
-        tp_mesh = mesh["tp"] if dims.tp > 1 else None
-        module, loss_fn_factory, unit_modules = _build_embedded_gpt(args, device, tp_mesh=tp_mesh)
+        module, loss_fn_factory, unit_modules = _build_embedded_gpt(args, device, tp_mesh=layout.tp_mesh)
     if dims.tp > 1:
         logger.info("> tensor parallelism: %d ranks per data-parallel rank x %d data-parallel ranks%s", dims.tp,
                     dims.dp, ", sequence parallel" if dims.sequence_parallel else "")
-    num_parameters = _whole_model_numel(module, dims.tp if args.use_mcore_models else 1)
+    num_parameters = _whole_model_numel(module, dims.tp if args.use_mcore_models else 1)  # before EP drops experts
+    if not args.use_mcore_models:
+        if args.num_experts is not None and args.moe_expert_capacity_factor is not None:
+            set_expert_capacity(module, args.moe_expert_capacity_factor, args.moe_token_drop_policy,
+                                pad_to_capacity=args.moe_pad_expert_input_to_capacity)
+        module = _apply_context_and_expert_parallel(module, layout, args.num_experts)
     dtype = _PRECISION_DTYPES[args.precision]
     if args.dp_path is DataParallelPath.TORCH_DDP:
         model = _wrap_ddp(module, args, device)
@@ -165,7 +235,8 @@ def setup_model_and_optimizer(args, device: torch.device) -> ModelBundle:
     else:
         if dtype is not torch.float32:
             module = module.to(dtype)
-        model = _wrap_megatron_fsdp(module, args, device, unit_modules, dims.wrap_kwargs(mesh, dp_group))
+        mesh_kwargs = dims.wrap_kwargs(layout.mesh, layout.data_parallel_group)
+        model = _wrap_megatron_fsdp(module, args, device, unit_modules, mesh_kwargs, layout.expert_mesh)
         optimizer = mf.fully_shard_optimizer(build_optimizer(model, args))
     balancing = None
     if args.use_mcore_models:
@@ -174,12 +245,35 @@ def setup_model_and_optimizer(args, device: torch.device) -> ModelBundle:
         balancing = mcore_models.balancing_loss_reader(gpt_config_from_args(args))
         mtp = mcore_models.mtp_loss_reader(gpt_config_from_args(args), sequence_length=args.seq_length,
                                            per_token=args.calculate_per_token_loss)
+    rank = dist.get_rank()
     return ModelBundle(model=model, optimizer=optimizer, loss_fn=loss_fn_factory(model),
-                       is_fsdp=args.dp_path in (DataParallelPath.MEGATRON_FSDP, DataParallelPath.MEGATRON_DDP),
+                       is_fsdp=args.dp_path in _ENGINE_PATHS,
                        num_parameters=num_parameters,
                        moe_balancing=balancing, mtp=mtp if args.use_mcore_models else None,
-                       data_parallel_rank=dims.data_parallel_rank(dist.get_rank()),
-                       data_parallel_group=dp_group)
+                       data_parallel_rank=dims.data_parallel_rank(rank),
+                       data_parallel_group=layout.data_parallel_group, loss_group=layout.loss_group,
+                       context_parallel_rank=dims.context_parallel_rank(rank), context_parallel_size=dims.cp,
+                       expert_parallel_group=None if layout.ep_mesh is None else layout.ep_mesh.get_group())
+
+
+def _apply_context_and_expert_parallel(module: GPT, layout: ParallelLayout, num_experts: Optional[int]) -> GPT:
+    """The embedded GPT's expert-parallel plan (each MoE layer keeps its EP rank's experts)
+    and context-parallel plan (attention over the CP group's chunks, MoE counts over it),
+    in place, before wrapping; one log line names the layout."""
+    dims = layout.dims
+    if layout.ep_mesh is not None:
+        module = apply_expert_parallel(module, layout.ep_mesh)
+    if layout.cp_mesh is not None:
+        module = apply_context_parallel(module, layout.cp_mesh)
+    if dims.cp > 1 or dims.ep > 1:
+        parts = [f"{dims.dp} data-parallel x {dims.cp} context-parallel x {dims.tp} tensor-parallel ranks"]
+        if dims.cp > 1:
+            parts.append(f"each sequence in {2 * dims.cp} chunks, 2 per context-parallel rank")
+        if dims.ep > 1:
+            parts.append(f"{num_experts // dims.ep} of {num_experts} experts per expert-parallel rank ({dims.ep} "
+                         f"ranks), each sharded over {dims.edp} expert data-parallel ranks")
+        logger.info("> parallel layout: %s", "; ".join(parts))
+    return module
 
 
 def _whole_model_numel(module: nn.Module, tp: int) -> int:
@@ -461,8 +555,10 @@ def ddp_config_from_args(args) -> mf.DistributedDataParallelConfig:
     )
 
 
-def _wrap_megatron_fsdp(module: nn.Module, args, device: torch.device, unit_modules, mesh_kwargs: dict) -> nn.Module:
-    """``mesh_kwargs``: ``ParallelDims.wrap_kwargs`` (the TP / HSDP mesh; empty: the default group)."""
+def _wrap_megatron_fsdp(module: nn.Module, args, device: torch.device, unit_modules, mesh_kwargs: dict,
+                        expert_mesh: Optional[DeviceMesh] = None) -> nn.Module:
+    """``mesh_kwargs``: ``ParallelDims.wrap_kwargs`` (the TP / CP / HSDP mesh; empty: the default
+    group); ``expert_mesh``: ``ParallelDims.build_expert_mesh``'s, where the experts go."""
     ddp_config = ddp_config_from_args(args)
     if args.use_mcore_models:
         from megatron_fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
@@ -485,25 +581,22 @@ def _wrap_megatron_fsdp(module: nn.Module, args, device: torch.device, unit_modu
         check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad,
         suggested_communication_unit_size=args.suggested_communication_unit_size,
         **mesh_kwargs,
-        **_expert_kwargs(module, args, device),
+        **_expert_kwargs(module, expert_mesh),
     )
 
 
-def _expert_kwargs(module: nn.Module, args, device: torch.device) -> dict:
-    """Expert parameters (MoE) go to the expert data-parallel group: with expert
-    parallel size 1 it spans the same ranks, on a mesh of its own (with HSDP laid out
-    and named as the dense mesh of ``ParallelDims.build_mesh``: the same shard and outer
-    groups; MoE is refused with tensor parallelism)."""
+def _expert_kwargs(module: nn.Module, expert_mesh: Optional[DeviceMesh]) -> dict:
+    """Expert parameters (MoE) go to the expert mesh (``ParallelDims.build_expert_mesh``:
+    with expert-parallel size 1 its shard dimension spans the dense data-parallel ranks, with
+    HSDP laid out and named as the dense mesh; MoE is refused with tensor parallelism)."""
     from megatron_fsdp.models import has_expert_parameters
 
     if not has_expert_parameters(module):
         return {}
-    world, outer = dist.get_world_size(), args.num_distributed_optimizer_instances
-    if outer > 1:
-        shape, names = (outer, world // outer, 1), ("dp_outer", "dp_shard", "tp")
-    else:
-        shape, names = (world, 1), ("fsdp", "tp")
-    return dict(expt_device_mesh=init_device_mesh(device_mod.mesh_device_type(device), shape, mesh_dim_names=names))
+    if expert_mesh is None:
+        raise ValueError("the model has expert parameters but no expert mesh was built (--num-experts unset?); "
+                         "build the layout with _parallel_layout")
+    return dict(expt_device_mesh=expert_mesh)
 
 
 def needs_find_unused_parameters(module: nn.Module) -> bool:

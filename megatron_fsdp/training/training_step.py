@@ -8,6 +8,18 @@ gradient is that of the mean token loss over the global batch. With
 divided during the reduction, and the gradients are divided once by the global
 batch's token count after the backward passes (Megatron-LM's per-token mode). The
 logged ``lm loss`` is the global batch's mean token loss either way.
+
+[Note: loss under context parallelism] With ``--context-parallel-size`` C each CP rank
+holds T / C tokens of every sequence of its data-parallel rank's micro batch, and the
+engine averages gradients over the data x context ranks (dp x C). A CP rank's micro
+batch contributes ``sum(its token losses) / its tokens / num_microbatches``, as above:
+its tokens are the whole micro batch's / C, so that is C x its share of the micro
+batch's mean, and the average over the C ranks of one data-parallel rank is the
+gradient of the micro batch's mean token loss (Megatron-LM's forward step divides
+each rank's loss sum by its own token count the same way). Token counts and loss sums
+are summed over the data x context ranks (``ModelBundle.loss_group``), so the logged
+loss and the per-token divisor are the global batch's, as Megatron-LM reduces them over
+its data-parallel group with context parallelism.
 """
 
 from __future__ import annotations
@@ -21,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ..models.router import balancing_logged_as_rank_sum, finish_global_batch
+from ..param_marks import is_expert_param
 from .data import BatchLayout, SampleSource, get_microbatch
 from .optim.loss_scaler import LossScaler
 from .optim.lr_schedule import LRSchedule
@@ -97,9 +110,9 @@ class StepContext:
 
 
 def _global_sums(values: torch.Tensor, device: torch.device, group=None) -> torch.Tensor:
-    """Sum a float64 vector over the data-parallel ranks (``group``, ModelBundle's: every rank
-    without tensor parallelism, whose TP ranks hold copies of the same losses), on ``device``
-    (no host read: see [Note: one host sync per iteration])."""
+    """Sum a float64 vector over the data x context ranks (``group``, ModelBundle's
+    ``loss_group``: every rank without tensor parallelism, whose TP ranks hold copies of the
+    same losses), on ``device`` (no host read: see [Note: one host sync per iteration])."""
     values = values.to(device=device, dtype=torch.float64)
     if dist.is_initialized():
         dist.all_reduce(values, group=group)
@@ -219,7 +232,14 @@ def _set_moe_aux_loss_scale(ctx: StepContext, scale: float) -> None:
     (see megatron_fsdp/models/moe.py, [Note: attaching the aux loss]): 1/micro-batches
     times the loss scale, or in per-token mode the micro batch's token count (the
     gradients are divided by the global token count afterwards). megatron-core models
-    get Megatron-LM's own factor (its router multiplies by the tokens in per-token mode)."""
+    get Megatron-LM's own factor (its router multiplies by the tokens in per-token mode).
+
+    With context parallelism the embedded MoE layers multiply this factor by CP
+    themselves (``MoELayer.set_context_parallel_group``: Megatron-LM's schedule factor
+    loss scale x CP / micro batches, which the gradient average over the data x context
+    ranks divides out again), so it is set here without CP: 1 / micro batches as at CP 1,
+    and in per-token mode this rank's tokens, T / CP per sequence (Megatron-LM's router
+    multiplies by its local tokens x CP: the same product)."""
     if ctx.bundle.moe_balancing is not None:
         ctx.bundle.moe_balancing.set_moe_aux_loss_scale(
             scale if ctx.per_token_loss else scale / ctx.layout.num_microbatches)
@@ -228,26 +248,52 @@ def _set_moe_aux_loss_scale(ctx: StepContext, scale: float) -> None:
     set_scale = getattr(module, "set_moe_aux_loss_scale", None)
     if set_scale is None:
         return
-    tokens = ctx.layout.micro_batch_size * ctx.seq_length
+    tokens = ctx.layout.micro_batch_size * ctx.seq_length // ctx.layout.cp_size  # this CP rank's tokens
     set_scale(scale * (tokens if ctx.per_token_loss else 1.0 / ctx.layout.num_microbatches))
 
 
-def _grad_norm(params: list[torch.Tensor], clip_grad: float) -> torch.Tensor:
+def _grad_norm(bundle: ModelBundle, params: list[torch.Tensor], clip_grad: float) -> torch.Tensor:
     """Clip (when ``clip_grad > 0``) and return the global gradient norm as a device
     scalar; works on sharded DTensor parameters, whose norm is reduced across the
-    shard group."""
+    shard group. With experts spread over expert-parallel ranks (``expert_parallel_group``)
+    the wrapper's own ``clip_grad_norm_`` does it: torch's cannot mix the dense and the
+    expert meshes, and each EP rank's expert norm covers its own experts only."""
     max_norm = clip_grad if clip_grad > 0 else math.inf
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    if bundle.expert_parallel_group is not None:
+        norm = bundle.model.clip_grad_norm_(max_norm)
+    else:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
     return norm.detach().double().reshape(1)
 
 
 @torch.no_grad()
-def params_l2_norm(params: list[torch.Tensor]) -> float:
-    """Norm of the (main) weights after the step, over all shards (``--log-params-norm``)."""
-    norm = torch.nn.utils.get_total_norm([p.detach() for p in params])
-    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+def params_l2_norm(params: list[torch.Tensor], expert_parallel_group: Optional[dist.ProcessGroup] = None) -> float:
+    """Norm of the (main) weights after the step, over all shards (``--log-params-norm``).
+    ``expert_parallel_group``: experts spread over those ranks (EP > 1), each holding other
+    experts, whose squared norms add up over it; the dense weights' are every rank's."""
+    dense = [p for p in params if expert_parallel_group is None or not is_expert_param(p)]
+    experts = [p for p in params if expert_parallel_group is not None and is_expert_param(p)]
+    total = _squared_norm(dense)
+    if experts:
+        mine = _squared_norm(experts)
+        dist.all_reduce(mine, group=expert_parallel_group)
+        total = total + mine
+    return float(total.sqrt())
+
+
+def _squared_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Squared L2 norm (float64) of sharded tensors, one norm per mesh (torch's cannot mix meshes)."""
+    by_mesh: dict = {}
+    for t in tensors:
+        by_mesh.setdefault(getattr(t, "device_mesh", None), []).append(t.detach())
+    total = torch.zeros((), dtype=torch.float64)
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(group)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        total = total + norm.double().cpu() ** 2
+    return total
 
 
 @torch.no_grad()
@@ -296,7 +342,7 @@ def train_step(ctx: StepContext, state: TrainState, source: SampleSource) -> Ste
         parts.append(sums.balancing.reshape(1))
     if sums.mtp is not None:
         parts.append(sums.mtp.reshape(-1))
-    totals = _global_sums(torch.cat(parts), ctx.device, ctx.bundle.data_parallel_group)
+    totals = _global_sums(torch.cat(parts), ctx.device, ctx.bundle.loss_group)
     params = bundle.params
     if ctx.per_token_loss:
         # Megatron-FSDP summed over ranks (no DP scaling); DDP always averages, so undo its 1/dp.
@@ -306,7 +352,7 @@ def train_step(ctx: StepContext, state: TrainState, source: SampleSource) -> Ste
     if ctx.scaler is not None:
         found_inf = ctx.scaler.unscale_and_check(params)
         ctx.scaler.update(found_inf)
-    norm = None if found_inf else _grad_norm(params, ctx.clip_grad)
+    norm = None if found_inf else _grad_norm(bundle, params, ctx.clip_grad)
     host = (totals if norm is None else torch.cat([totals, norm])).tolist()  # the one host sync
     global_loss, global_tokens, nonfinite = host[0], int(host[1]), int(host[2])
     grad_norm = None if norm is None else host[-1]
@@ -333,7 +379,7 @@ def train_step(ctx: StepContext, state: TrainState, source: SampleSource) -> Ste
             bundle.optimizer.step()
         # Megatron-LM: the schedule only advances on applied updates, by the samples trained on.
         ctx.schedule.step(ctx.layout.global_batch_size)
-    params_norm = params_l2_norm(params) if ctx.log_params_norm else None
+    params_norm = params_l2_norm(params, bundle.expert_parallel_group) if ctx.log_params_norm else None
     state.iteration += 1
     state.consumed_train_samples += ctx.layout.global_batch_size
     load_balancing, mtp_losses = _side_losses(ctx, sums, host)
@@ -357,7 +403,9 @@ def _side_losses(ctx: StepContext, sums: _MicroBatchSums, host: list[float]):
     dp = dist.get_world_size(ctx.bundle.data_parallel_group) if dist.is_initialized() else 1
     micro = ctx.layout.num_microbatches
     # Megatron-LM: the per-micro-batch balancing losses summed, times 1 / micro batches, averaged over DP
-    # (summed for the global aux loss, whose ranks each hold a part of one loss).
+    # (summed for the global aux loss, whose ranks each hold a part of one loss). The sums run over the
+    # data x context ranks: a CP rank's balancing loss is its share of its sequences' (moe.py), so the
+    # CP ranks add up to the whole loss and only the data-parallel size divides.
     world = 1 if balancing_logged_as_rank_sum(_module(ctx)) else dp
     load_balancing = None if sums.balancing is None else host[3] / world / micro
     mtp_losses = None
@@ -383,5 +431,5 @@ def evaluate(ctx: StepContext, source: SampleSource, eval_iters: int, consumed_s
             tokens_total += tokens
     totals = _global_sums(torch.stack([loss_total, torch.tensor(float(tokens_total), dtype=torch.float64,
                                                                   device=ctx.device)]), ctx.device,
-                          ctx.bundle.data_parallel_group).tolist()
+                          ctx.bundle.loss_group).tolist()
     return totals[0] / totals[1]

@@ -23,10 +23,11 @@ def tensor_parallel_size(args: argparse.Namespace) -> int:
 
 
 def data_parallel_size(args: argparse.Namespace, world_size: int) -> int:
-    """Megatron-LM's data-parallel size: the world over the tensor-parallel size (the world
-    itself while that does not divide it, which ``tp_problems`` reports)."""
-    tp = tensor_parallel_size(args)
-    return world_size // tp if tp >= 1 and world_size % tp == 0 else world_size
+    """Megatron-LM's data-parallel size: the world over the tensor- x context-parallel size
+    (the world itself while that does not divide it, which ``tp_problems`` /
+    ``ep_cp_flags`` report)."""
+    model = tensor_parallel_size(args) * getattr(args, "context_parallel_size", 1)
+    return world_size // model if model >= 1 and world_size % model == 0 else world_size
 
 
 def tp_problems(args: argparse.Namespace, world_size: int) -> list[str]:

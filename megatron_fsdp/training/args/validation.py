@@ -20,7 +20,7 @@ import re
 from ...comm import device as device_mod
 from ...enums import ShardingStrategy
 from ...models.config import megatron_swiglu_ffn_hidden_size
-from . import activation_offload_flags, mla_flags, mtp_flags, muon_flags, torch_fsdp2_flags, tp_flags
+from . import activation_offload_flags, ep_cp_flags, mla_flags, mtp_flags, muon_flags, torch_fsdp2_flags, tp_flags
 from .. import determinism
 from ..data import tokenizers
 from .arg_types import BYTE_VOCAB_SIZE, DataParallelPath, LRDecayStyle, Precision, TokenizerType, recompute_granularity
@@ -58,9 +58,10 @@ def flag_policy(args: argparse.Namespace, given: dict[str, FlagSpec]) -> tuple[l
 
 
 def collect_problems(args: argparse.Namespace, world_size: int) -> list[str]:
-    """Every rule's problems. The tensor-parallel rule reads the world; the rest read the
-    data-parallel size (the world over the TP size), as Megatron-LM's batch rules do."""
-    problems = tp_flags.tp_problems(args, world_size)
+    """Every rule's problems. The tensor-, context- and expert-parallel rules read the world;
+    the rest read the data-parallel size (the world over TP x CP), as Megatron-LM's batch
+    rules do."""
+    problems = tp_flags.tp_problems(args, world_size) + ep_cp_flags.ep_cp_problems(args, world_size)
     data_parallel = tp_flags.data_parallel_size(args, world_size)
     for rule in (_required, _model_shape, _model_features, _multi_latent_attention, _multi_token_prediction,
                  _recompute, _batch, _eval_batch, _batch_rampup, _schedule, _data_parallel, _megatron_fsdp,
@@ -209,6 +210,8 @@ def _model_features(args, world_size) -> list[str]:
         why = layer_freq_problem(freq, args.num_layers) if args.num_experts is not None and args.num_layers else None
         if why:
             problems.append(f"--moe-layer-freq {args.moe_layer_freq} {why}")
+        elif args.num_experts is not None and 0 < args.moe_router_topk <= args.num_experts:
+            problems += ep_cp_flags.expert_model_problems(args, freq)
     if args.squared_relu and args.swiglu:  # Megatron-LM's assertion
         problems.append("--squared-relu and --swiglu both choose the MLP's activation; keep one")
     elif args.squared_relu and args.add_bias_linear and args.bias_gelu_fusion:
@@ -231,6 +234,7 @@ def _model_features(args, world_size) -> list[str]:
                         "type is not implemented here; pass one value")
     if args.num_experts is not None and args.num_experts > 0 and not problems:
         problems += _moe_router_problems(args)
+    problems += ep_cp_flags.capacity_problems(args)
     if args.use_mcore_models:
         return problems + _mcore_model_problems(args)
     from ..model_setup import missing_model_fields
@@ -624,7 +628,7 @@ def derive_fields(args: argparse.Namespace, world_size: int) -> None:
     """Fill Megatron-LM's derived values and parse strings into enums, once."""
     warnings = args.flag_warnings
     args.world_size = world_size
-    # Batches are counted per data-parallel rank: the TP ranks of one share its batch.
+    # Batches are counted per data-parallel rank: the TP x CP ranks of one share its batch.
     data_parallel = args.data_parallel_size = tp_flags.data_parallel_size(args, world_size)
     warnings += tp_flags.tp_warnings(args)
     if args.global_batch_size is None:
@@ -706,6 +710,7 @@ def _derive_model_fields(args: argparse.Namespace, warnings: list[str]) -> None:
         args.num_query_groups = args.num_attention_heads
     warnings += mla_flags.mla_warnings(args)
     warnings += mtp_flags.mtp_warnings(args)
+    warnings += ep_cp_flags.capacity_warnings(args)
     if not mtp_flags.mtp_enabled(args):
         args.mtp_num_layers = None  # Megatron-LM: 0 builds no MTP layer
     if args.rotary_interleaved and args.position_embedding_type != "rope" and not args.multi_latent_attention:

@@ -6,6 +6,13 @@ a checkpoint only needs that number, and every data-parallel layout (FSDP or DDP
 any world size) sees the same global batch. Each micro batch of the global batch is
 laid out like Megatron-LM's pretraining sampler: micro batch ``m`` of data-parallel
 rank ``r`` holds global samples ``consumed + m*mbs*dp + r*mbs + [0, mbs)``.
+
+[Note: context-parallel batches] With context parallelism every CP rank of a
+data-parallel rank reads that rank's micro batch (the same samples, as its TP ranks do)
+and keeps its CP shard of the inputs and of the targets: of 2 x CP equal chunks of each
+sequence, chunks ``cp_rank`` and ``2 x CP - 1 - cp_rank`` (Megatron-LM's
+``get_batch_on_this_cp_rank``, ``models.context_parallel.context_parallel_shard``). The
+targets are cut after the shift by one, so each kept input token keeps its own next token.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from typing import Protocol
 import torch
 
 from megatron_fsdp.comm import device as device_mod
+from megatron_fsdp.models.context_parallel import context_parallel_shard
 
 
 class SampleSource(Protocol):
@@ -33,6 +41,9 @@ class BatchLayout:
     num_microbatches: int
     dp_rank: int
     dp_size: int
+    cp_rank: int = 0
+    """Which chunks of each sequence this rank keeps (see [Note: context-parallel batches])."""
+    cp_size: int = 1
 
     @property
     def global_batch_size(self) -> int:
@@ -46,7 +57,12 @@ class BatchLayout:
 
 def get_microbatch(source: SampleSource, layout: BatchLayout, consumed_samples: int, microbatch: int,
                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(inputs, targets), each (micro_batch_size, seq_length) int64 on ``device``."""
+    """(inputs, targets), each (micro_batch_size, seq_length / cp_size) int64 on ``device``:
+    this rank's CP shard of its data-parallel rank's micro batch."""
     tokens = torch.stack([source.sample(i) for i in layout.sample_indices(consumed_samples, microbatch)])
-    tokens = device_mod.host_to_device(tokens, device)
-    return tokens[:, :-1], tokens[:, 1:]
+    tokens = device_mod.host_to_device(tokens, device)  # (mbs, seq_length + 1)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]  # (mbs, seq_length) each
+    if layout.cp_size > 1:
+        inputs = context_parallel_shard(inputs, layout.cp_rank, layout.cp_size, seq_dim=1)
+        targets = context_parallel_shard(targets, layout.cp_rank, layout.cp_size, seq_dim=1)
+    return inputs, targets
