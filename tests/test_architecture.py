@@ -25,8 +25,8 @@ VOCABULARY = ("config", "enums", "mixed_precision", "param_marks", "package_info
 """Root modules every floor may read: the package's vocabulary."""
 
 FLOORS: list[tuple[str, tuple[str, ...]]] = [
-    ("launcher", ("training",)),
-    ("tools", ("tools",)),
+    ("launcher", ("training", "convert")),
+    ("tools", ("tools", "interop")),
     ("beside the engine", ("models", "experimental")),
     ("public face", ("",)),  # the package root's other modules
     ("state", ("state",)),
@@ -43,11 +43,15 @@ INDEPENDENT = [("models", "experimental"), ("buffers", "compat")]
 LAUNCHER_MAY_IMPORT = (
     "", "fully_shard", "megatron_fsdp", "mcore_fsdp_adapter", "optimizer", "utils", "uneven_dtensor",
     "param_and_grad_buffer", "distributed_data_parallel_config", "parallel_dims", *VOCABULARY,
-    "state", "comm.device", "models",
+    "state", "comm.device", "models", "interop",
 )
 """The engine's public surface as the launcher sees it (module paths under the package):
 the root package and its public modules, ``state``'s declared surface (the package, not
-its modules), the device queries and the embedded models (with their submodules)."""
+its modules), the device queries, the embedded models and the checkpoint formats of other
+projects (``interop``), with their submodules."""
+
+LAUNCHER = ("training", "convert")
+"""The launcher's packages: the training loop and the checkpoint converter built on it."""
 
 
 # -- the import graph -------------------------------------------------------------------
@@ -226,20 +230,24 @@ def test_independent_neighbours_do_not_import_each_other():
 
 def test_the_engine_never_imports_the_launcher():
     offenders = [f"{m} imports {t}" for m, targets in GRAPH.items() for t in targets
-                 if _relative(m) is not None and not _under(_relative(m), "training")
-                 and _relative(t) is not None and _under(_relative(t), "training")]
+                 if _relative(m) is not None and not _in_launcher(_relative(m))
+                 and _relative(t) is not None and _in_launcher(_relative(t))]
     assert not offenders, "\n".join(sorted(offenders))
 
 
+def _in_launcher(relative: str) -> bool:
+    return any(_under(relative, package) for package in LAUNCHER)
+
+
 def _launcher_may_import(relative: str) -> bool:
-    if _under(relative, "training"):
+    if _in_launcher(relative):
         return True
-    return any(relative == allowed or (allowed == "models" and _under(relative, "models"))
+    return any(relative == allowed or (allowed in ("models", "interop") and _under(relative, allowed))
                for allowed in LAUNCHER_MAY_IMPORT)
 
 
 def test_the_launcher_uses_only_the_public_surface():
-    launcher = [m for m in GRAPH if _relative(m) is not None and _under(_relative(m), "training")]
+    launcher = [m for m in GRAPH if _relative(m) is not None and _in_launcher(_relative(m))]
     launcher.append("scripts.pretrain_gpt")
     offenders = [f"{m} imports {t}" for m in launcher for t in GRAPH[m]
                  if _relative(t) is not None and not _launcher_may_import(_relative(t))]

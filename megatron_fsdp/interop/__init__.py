@@ -1,0 +1,22 @@
+"""Other projects' checkpoint formats: Hugging Face ``transformers`` directories and
+megatron-core's ``torch_dist`` distributed checkpoints, read into and written from a model
+(plain, or wrapped by this package at any world size) piece by piece.
+
+Modules, one concern each:
+
+- ``hf_config.py``: the Hugging Face families (``HFFamily``), ``config.json`` to and from a
+  ``GPTConfig``, and the check that a configuration matches a ``config.json``.
+- ``hf_names.py``: name maps (``NameMap``) between a model's parameters and a Hugging Face
+  checkpoint's tensors (fused QKV and gate/up layouts, transposed GPT-2 weights, tied
+  embeddings, experts), one per family of the embedded GPT, or the identity.
+- ``safetensors_io.py``: sharded ``safetensors`` directories read lazily by slices
+  (memory-mapped) and written shard by shard with their index.
+- ``hf_checkpoint.py``: ``load_hf_checkpoint`` (each rank reads only the slices it keeps) and
+  ``save_hf_checkpoint`` (gathered one tensor at a time, written by one rank).
+- ``torch_dist.py``: megatron-core's ``torch_dist`` format through its own
+  ``dist_checkpointing``: ``save_torch_dist`` / ``load_torch_dist``.
+
+This floor sits beside the planner (``tools/``): it reads the public face, ``state``'s declared
+surface and the embedded models; the launcher (``training/``) and the converter
+(``python -m megatron_fsdp.convert``) use it.
+"""
