@@ -22,5 +22,8 @@ setup(
         "megatron": ["megatron-core>=0.16"],
         # TransformerEngine FP8 parameters (CUDA only).
         "te": ["transformer-engine"],
+        # Hugging Face checkpoints in and out (megatron_fsdp.interop, python -m megatron_fsdp.convert);
+        # transformers itself reloads an exported directory and is needed only for that and the tests.
+        "hf": ["safetensors>=0.4", "transformers>=5.0,<6"],
     },
 )

@@ -27,3 +27,10 @@ fi
 # SentencePieceTokenizer (megatron_fsdp/training/data/sentencepiece_tokenizers.py); it has no dependencies,
 # and --no-deps keeps pip from ever touching torch. Without it those types are refused at validation.
 "$PY" -m pip install -q --no-deps sentencepiece || echo "setup_env: WARNING: could not install sentencepiece (optional)" >&2
+# Optional Hugging Face interop (megatron_fsdp/interop/: checkpoints in and out, wrapped transformers
+# models in the tests): `safetensors` and transformers' own dependencies do not depend on torch;
+# transformers itself is installed with --no-deps so that pip never touches the installed torch.
+# Without them the interop raises a clear message and its tests skip.
+"$PY" -m pip install -q safetensors "huggingface-hub>=1.31,<3" typer tqdm \
+  && "$PY" -m pip install -q --no-deps "transformers==5.24.0" \
+  || echo "setup_env: WARNING: could not install transformers/safetensors (optional)" >&2
