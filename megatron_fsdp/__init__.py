@@ -30,9 +30,45 @@ from __future__ import annotations
 import importlib
 import sys
 import types
+import warnings
+from importlib import metadata
+from pathlib import Path
 from typing import Any
 
-from .package_info import __version__  # noqa: F401
+from .package_info import UPSTREAM_DISTRIBUTION, __version__  # noqa: F401
+
+
+def _upstream_init_files() -> list[Path]:
+    """Where NVIDIA's ``megatron-fsdp`` distribution, if installed, put ``megatron_fsdp/__init__.py``."""
+    try:
+        upstream = metadata.distribution(UPSTREAM_DISTRIBUTION)
+    except metadata.PackageNotFoundError:
+        return []
+    return [Path(upstream.locate_file(f)).resolve() for f in upstream.files or ()
+            if f.parts == ("megatron_fsdp", "__init__.py")]
+
+
+def _check_one_distribution() -> None:
+    """[Note: one distribution per import name] This project (distribution ``mfsdp``) and
+    NVIDIA's ``megatron-fsdp`` both install the import package ``megatron_fsdp``. Installed into
+    one folder, the later install overwrites the earlier one's files and leaves the rest: a
+    mixture that fails in odd places, or silently runs the other project's code. When this
+    ``__init__`` runs and upstream's files claim the same folder, the import stops with the
+    remedy; when upstream sits in another folder that this one shadows, a warning says which
+    one runs."""
+    here = Path(__file__).resolve().parent
+    for init in _upstream_init_files():
+        if init.parent == here:
+            raise ImportError(
+                f"{here} holds files of both mfsdp and NVIDIA's {UPSTREAM_DISTRIBUTION} (both install the "
+                f"import package megatron_fsdp, so the folder is a mixture of the two); run "
+                f"`pip uninstall -y {UPSTREAM_DISTRIBUTION} mfsdp` and install the one you want")
+        warnings.warn(f"NVIDIA's {UPSTREAM_DISTRIBUTION} is also installed ({init.parent}); `import megatron_fsdp` "
+                      f"runs this project's package from {here}, which comes first on sys.path. "
+                      f"`pip uninstall {UPSTREAM_DISTRIBUTION}` removes the other one", stacklevel=3)
+
+
+_check_one_distribution()
 
 _EXPORTS = {
     "BucketStatus": "enums",

@@ -11,7 +11,7 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install -q "$TORCH_SPEC"
 fi
 "$PY" -m pip install -q --no-deps -e .
-"$PY" -m pip install -q "pytest>=7" pyyaml matplotlib
+"$PY" -m pip install -q "pytest>=7" pyyaml matplotlib build
 # Optional dashboards extra: TensorBoard events for --tensorboard-dir (tensorboard does
 # not depend on torch, so this never replaces the installed torch).
 "$PY" -m pip install -q tensorboard || echo "setup_env: WARNING: could not install tensorboard (optional)" >&2
