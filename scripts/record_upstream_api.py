@@ -9,6 +9,9 @@ or, with the wheel (or an unpacked source tree) already at hand:
 
     python3 scripts/record_upstream_api.py --source /tmp/megatron_fsdp-0.6.1-py3-none-any.whl
 
+and its experimental per-module API with ``--experimental`` (into
+``tests/data/upstream_experimental_api_0.6.1.json``).
+
 ``tests/test_upstream_api.py`` compares our API with the recorded file: every
 upstream parameter, field and method must exist here.
 """
@@ -32,6 +35,10 @@ DATACLASSES = {"mixed_precision.py": "MixedPrecisionPolicy", "distributed_data_p
 METHODS_OF = {"utils.py": "FSDPDistributedIndex", "megatron_fsdp.py": "MegatronFSDP"}
 # Public helpers that Megatron-LM's own code imports from these modules.
 HELPER_MODULES = ("utils.py", "uneven_dtensor.py")
+# The experimental per-module API (``--experimental``), which changed between releases.
+EXPERIMENTAL_FUNCTIONS = {"fully_shard.py": ("fully_shard", "microbatch"), "optimizer.py": ("fully_shard_optimizer",)}
+EXPERIMENTAL_INITS = {"dbuffer.py": "DBuffer"}
+EXPERIMENTAL_DATACLASSES = {"placement.py": ("Placements", "Replicate", "Partial", "Flat")}
 
 
 def _parameters(fn: ast.FunctionDef) -> list[dict]:
@@ -90,6 +97,26 @@ def record(package_dir: Path, version: str) -> dict:
     return api
 
 
+def record_experimental(package_dir: Path, version: str) -> dict:
+    """``megatron_fsdp.experimental``'s exports, entry points, ``DBuffer`` and placement classes."""
+    folder = package_dir / "experimental"
+    trees = {path.name: ast.parse(path.read_text()) for path in folder.glob("*.py")}
+    exports = next(node.value for node in trees["__init__.py"].body
+                   if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "__all__")
+    api: dict = {"package": f"{PACKAGE}.experimental", "version": version, "exports": ast.literal_eval(exports),
+                 "functions": {}, "inits": {}, "dataclasses": {}}
+    for file, names in EXPERIMENTAL_FUNCTIONS.items():
+        nodes = _top_level(trees[file])
+        api["functions"].update({name: _parameters(nodes[name]) for name in names})
+    for file, cls in EXPERIMENTAL_INITS.items():
+        init = next(n for n in _top_level(trees[file])[cls].body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+        api["inits"][cls] = _parameters(init)
+    for file, classes in EXPERIMENTAL_DATACLASSES.items():
+        nodes = _top_level(trees[file])
+        api["dataclasses"].update({cls: _fields(nodes[cls]) for cls in classes})
+    return api
+
+
 def _package_dir(source: Optional[str], version: str, workdir: Path) -> Path:
     if source is None:
         subprocess.run(
@@ -109,11 +136,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", default="0.6.1", help="megatron-fsdp release on PyPI")
     parser.add_argument("--source", help="a downloaded wheel or source directory (skips pip download)")
+    parser.add_argument("--experimental", action="store_true",
+                        help="record megatron_fsdp.experimental instead (upstream_experimental_api_<version>.json)")
     parser.add_argument("--out", help="output JSON (default tests/data/upstream_api_<version>.json)")
     args = parser.parse_args()
-    out = Path(args.out or Path(__file__).resolve().parent.parent / "tests" / "data" / f"upstream_api_{args.version}.json")
+    stem = "upstream_experimental_api" if args.experimental else "upstream_api"
+    out = Path(args.out or Path(__file__).resolve().parent.parent / "tests" / "data" / f"{stem}_{args.version}.json")
     with tempfile.TemporaryDirectory() as tmp:
-        api = record(_package_dir(args.source, args.version, Path(tmp)), args.version)
+        package_dir = _package_dir(args.source, args.version, Path(tmp))
+        api = (record_experimental if args.experimental else record)(package_dir, args.version)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(api, indent=1, sort_keys=True) + "\n")
     print(f"wrote {out}")

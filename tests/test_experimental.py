@@ -427,7 +427,15 @@ def errors_worker(rank, world):
         except exc as e:
             raised[name] = str(e)
 
-    expect("outside_context", lambda: fully_shard(nn.Linear(2, 2), mesh=mesh, placements=zero3), RuntimeError)
+    def outside_context():
+        # A module sharded outside any context (upstream 0.6.1's usage) cannot join a parent
+        # sharded inside one: the two contexts' prefetch orders cannot span one model.
+        parent = nn.Sequential(nn.Linear(2, 2))
+        fully_shard(parent[0], mesh=mesh, placements=zero3)
+        with fully_shard_context():
+            fully_shard(parent, mesh=mesh, placements=zero3)
+
+    expect("outside_context", outside_context, ValueError)
 
     def twice():
         layer = nn.Linear(2, 2)

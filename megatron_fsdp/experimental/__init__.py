@@ -16,6 +16,8 @@ Modules, one concern each:
   parameters, its buffers and sharded parameters.
 - ``dbuffer.py``: ``DBuffer``: several logical tensors in one flat local buffer.
 - ``placement.py``: placements of a ``DBuffer`` along each mesh axis (``Flat``).
+- ``upstream_placements.py``: upstream 0.6.1's own ``Replicate`` / ``Partial`` placement classes,
+  accepted by ``Placements`` (code written for that release runs unchanged).
 - ``layout.py``: the row-aligned global layout of one ``DBuffer``'s tensors (pure index math).
 - ``dtensor.py``: the DTensors that expose ``DBuffer`` tensors.
 - ``tensor_parallel.py``: modules whose parameters are DTensors of a tensor-parallel plan
@@ -31,13 +33,17 @@ from .fully_shard import Placements, fully_shard, fully_shard_context, microbatc
 from .module import FsdpContext, FsdpModule
 from .optimizer import fully_shard_optimizer
 from .placement import Flat
+from .upstream_placements import Partial, Placement, Replicate
 
 __all__ = [
     "DBuffer",
     "Flat",
     "FsdpContext",
     "FsdpModule",
+    "Partial",
+    "Placement",
     "Placements",
+    "Replicate",
     "full_state_dict",
     "fully_shard",
     "fully_shard_context",

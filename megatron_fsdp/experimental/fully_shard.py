@@ -11,6 +11,10 @@ Usage, bottom-up like FSDP2::
     optimizer = torch.optim.AdamW(model.parameters(), ...)
     fully_shard_optimizer(optimizer)
 
+Code written for upstream's 0.6.1 release (no context, its own ``Replicate`` / ``Partial``,
+``microbatch(model, is_last)``) runs unchanged: see upstream_placements.py [Note: two
+generations of the experimental API] and ``_implicit_context``.
+
 With tensor parallelism, as FSDP2: one mesh, the TP plan on its ``tp`` part, the
 data-parallel part to ``fully_shard`` (tensor_parallel.py [Note: tensor-parallel
 modules])::
@@ -43,12 +47,15 @@ from ..mixed_precision import MixedPrecisionPolicy
 from ..runtime.wrapped_model_guards import refuse_new_parameters
 from .module import FsdpContext, FsdpModule
 from .parameter_group import owns_parameter
+from .upstream_placements import as_torch_placement
 
 __all__ = ["Placements", "fully_shard", "fully_shard_context", "microbatch"]
 
 MeshAxis = Union[int, str]
 
 _CONTEXT: contextvars.ContextVar[Optional[FsdpContext]] = contextvars.ContextVar("mfsdp_experimental", default=None)
+_IMPLICIT: contextvars.ContextVar[Optional[FsdpContext]] = contextvars.ContextVar("mfsdp_experimental_implicit",
+                                                                                  default=None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +79,8 @@ class Placements:
 
     def __post_init__(self) -> None:
         for field in ("parameter", "gradient", "optimizer"):
-            value = getattr(self, field)
+            value = tuple(as_torch_placement(p) for p in getattr(self, field))  # upstream 0.6.1's classes
+            object.__setattr__(self, field, value)
             if len(value) != len(self.dp_axes):
                 raise ValueError(
                     f"Placements.{field} has {len(value)} entries for {len(self.dp_axes)} dp_axes; give one per axis"
@@ -117,6 +125,8 @@ def fully_shard(
     placements: Placements,
     mixed_precision_policy: Optional[MixedPrecisionPolicy] = None,
     grad_divisor: int = 1,
+    *,
+    use_symm_mem: bool = False,
 ) -> FsdpModule:
     """Shard the parameters of ``module`` not already owned by a sharded descendant,
     in place.
@@ -140,18 +150,22 @@ def fully_shard(
         grad_divisor: extra divisor of the reduced gradient, on top of the mean over
             the mesh: ``ep_size`` for expert weights whose gradients already sum
             over the expert-parallel ranks' tokens.
+        use_symm_mem: upstream 0.6.1's NCCL symmetric-memory staging buffers; not
+            supported here (``True`` raises).
+
+    Outside a ``fully_shard_context`` (upstream 0.6.1's usage) the modules sharded until the
+    model first runs share one implicit context (``_implicit_context``).
     """
     if isinstance(module, FsdpModule):
         raise ValueError(f"{type(module).__name__} is already sharded by fully_shard; call it once per module")
-    context = _CONTEXT.get()
-    if context is None:
-        raise RuntimeError("call fully_shard inside `with fully_shard_context():`")
+    _check_upstream_options(grad_divisor, use_symm_mem)
+    context = _CONTEXT.get() or _implicit_context()
     for name, sub in module.named_modules():
         if isinstance(sub, FsdpModule) and sub.context is not context:
             raise ValueError(
                 f"submodule {name!r} of this {type(module).__name__} was sharded in another fully_shard_context; "
                 "a model's modules share one context (their prefetch orders span it): shard them all "
-                "inside one `with fully_shard_context():`"
+                "inside one `with fully_shard_context():`, or all outside any context before the model first runs"
             )
     if not isinstance(placements, Placements):
         raise TypeError(
@@ -184,6 +198,31 @@ def fully_shard(
     return cast_module
 
 
+def _check_upstream_options(grad_divisor: object, use_symm_mem: bool) -> None:
+    """Upstream 0.6.1's fifth parameter is ``use_symm_mem``, this one's ``grad_divisor``: a
+    boolean there is 0.6.1 code passing it by position, never a divisor."""
+    if isinstance(grad_divisor, bool):
+        raise TypeError(
+            f"fully_shard's fifth positional argument is grad_divisor here, got {grad_divisor}: upstream 0.6.1 code "
+            "passes use_symm_mem there; pass it by keyword (use_symm_mem=...)")
+    if use_symm_mem:
+        raise NotImplementedError(
+            "fully_shard(use_symm_mem=True) (NCCL symmetric-memory staging buffers) is not implemented in "
+            "megatron_fsdp.experimental; leave it False")
+
+
+def _implicit_context() -> FsdpContext:
+    """[Note: the implicit context] Upstream 0.6.1 has no ``fully_shard_context``: its modules
+    find their root when the model first runs. Here the ``fully_shard`` calls made outside any
+    context join one implicit context, which finalizes itself (roots, names, prefetch orders)
+    at the model's first forward; a ``fully_shard`` after that opens a new one (a new model)."""
+    context = _IMPLICIT.get()
+    if context is None or context.finalized:
+        context = FsdpContext(device_lib.resolve_device(None), implicit=True)
+        _IMPLICIT.set(context)
+    return context
+
+
 def _check_dp_axes(mesh: DeviceMesh, dp_axes: Sequence[MeshAxis]) -> None:
     names = mesh.mesh_dim_names or ()
     indices = []
@@ -203,13 +242,35 @@ def _check_dp_axes(mesh: DeviceMesh, dp_axes: Sequence[MeshAxis]) -> None:
 
 
 @contextlib.contextmanager
-def microbatch(context: FsdpContext, is_last: bool) -> Iterator[None]:
+def microbatch(context: Union[FsdpContext, nn.Module, None] = None, is_last: Optional[bool] = None, *,
+               module: Optional[nn.Module] = None) -> Iterator[None]:
     """Mark the microbatches of a gradient-accumulation step. Needed where gradients
     rest Partial across microbatches (HSDP, ZeRO-1/2): only the last one reduces
-    them. Plain ZeRO-3 reduces every backward and accumulates either way."""
-    context.ensure_finalized()
-    previous, context.is_last_microbatch = context.is_last_microbatch, is_last
+    them. Plain ZeRO-3 reduces every backward and accumulates either way.
+
+    ``context``: the ``fully_shard_context``'s context, or a module whose tree holds the
+    sharded modules (upstream 0.6.1's form, also by its keyword ``module=``)."""
+    if (context is None) == (module is None) or is_last is None:
+        raise TypeError("microbatch(context_or_module, is_last): pass the context (or the sharded model) and is_last")
+    target = context if context is not None else module
+    contexts = [target] if isinstance(target, FsdpContext) else _contexts_of(target)
+    previous = []
+    for each in contexts:
+        each.ensure_finalized()
+        previous.append(each.is_last_microbatch)
+        each.is_last_microbatch = is_last
     try:
         yield
     finally:
-        context.is_last_microbatch = previous
+        for each, was in zip(contexts, previous):
+            each.is_last_microbatch = was
+
+
+def _contexts_of(module: nn.Module) -> list[FsdpContext]:
+    """The contexts of the sharded modules in ``module``'s tree, each once."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"microbatch({module!r}, ...): pass the fully_shard_context's context or the sharded model")
+    found = {id(m.context): m.context for m in module.modules() if isinstance(m, FsdpModule)}
+    if not found:
+        raise ValueError(f"microbatch: no module in this {type(module).__name__} was sharded by fully_shard")
+    return list(found.values())

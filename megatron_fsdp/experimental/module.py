@@ -57,8 +57,12 @@ def _in_backward() -> bool:
 class FsdpContext:
     """State shared by the FsdpModules built in one ``fully_shard_context``."""
 
-    def __init__(self, device: torch.device, *, unify_communication_stream: bool = False) -> None:
+    def __init__(self, device: torch.device, *, unify_communication_stream: bool = False,
+                 implicit: bool = False) -> None:
         self.device = device
+        self.implicit = implicit
+        """Opened by a ``fully_shard`` called outside any ``fully_shard_context`` (upstream 0.6.1's
+        usage): it finalizes itself when the model first runs (``ensure_finalized``)."""
         self.unify_communication_stream = unify_communication_stream
         """Accepted for upstream compatibility; collectives here run asynchronously on
         the backend's own queue, not on side streams, so there is nothing to unify."""
@@ -101,8 +105,15 @@ class FsdpContext:
         self._registered.clear()
         self._finalized = True
 
+    @property
+    def finalized(self) -> bool:
+        """Whether the roots, names and prefetch orders are fixed (the model may run)."""
+        return self._finalized
+
     def ensure_finalized(self) -> None:
-        if not self._finalized:
+        if not self._finalized and self.implicit:
+            self.finalize()
+        elif not self._finalized:
             raise RuntimeError("run the model after leaving `with fully_shard_context():`, not inside it")
 
     def next_in(self, order: list["FsdpModule"], module: "FsdpModule") -> Optional["FsdpModule"]:
@@ -246,6 +257,8 @@ class FsdpModule(RefusesCopies):
 
     @property
     def name(self) -> str:
+        if self._name is None and self._context.implicit:
+            self._context.ensure_finalized()
         if self._name is None:
             raise RuntimeError("module names are set when fully_shard_context exits")
         return self._name or "<root>"
