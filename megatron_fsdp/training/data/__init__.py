@@ -8,6 +8,7 @@ Modules, one concern each:
 - ``gpt_dataset.py``: Megatron's GPT sample construction (split, document/sample/shuffle
   indices, cache files) over an indexed dataset, and its mock documents.
 - ``blending.py``: weighted blends ``--data-path 0.3 a 0.7 b``.
+- ``index_cache.py``: index arrays cached under ``--data-cache-path`` with megatron-core's file names.
 - ``builder.py``: ``build_train_valid_test_datasets`` (megatron-core's builder when it runs
   here, else ours, identical samples), ``train_valid_test_num_samples``,
   ``data_path_problems``.

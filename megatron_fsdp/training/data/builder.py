@@ -262,18 +262,19 @@ def _build_native(*, data_path, split, matrix, seq_length, seed, tokenizer, num_
         targets, per_dataset = [None] * 3, [[None] * 3 for _ in prefixes]
     mids = [_native_splits(indexed.IndexedDataset(p), p, per_dataset[d], **common) for d, p in enumerate(prefixes)]
     blended = []
-    for s in range(3):
+    for s, name in enumerate(gpt_dataset.SPLIT_NAMES):
         if matrix[s] is None:
             blended.append(None)
             continue
         members = [mids[d][s] for d in range(len(prefixes))]
+        cached = dict(split_name=name, cache_dir=cache_path)  # megatron-core caches blends only under the flag
         if weights is not None:
-            blended.append(BlendedDataset(members, weights, sum(targets[s])))
+            blended.append(BlendedDataset(members, weights, sum(targets[s]), **cached))
         elif num_samples[s] is not None:
             lengths = [len(m) for m in members]
-            blended.append(BlendedDataset(members, lengths, min(num_samples[s], sum(lengths))))
+            blended.append(BlendedDataset(members, lengths, min(num_samples[s], sum(lengths)), **cached))
         else:
-            blended.append(BlendedDataset(members, None, None))
+            blended.append(BlendedDataset(members, None, None, **cached))
     return blended
 
 

@@ -21,16 +21,14 @@ megatron-core's (``tests/test_data_gpt.py`` checks against its C++ helpers).
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import os
 from collections import OrderedDict
 from typing import Sequence
 
 import numpy as np
 import torch
 
+from megatron_fsdp.training.data.index_cache import IndexCache
 from megatron_fsdp.training.data.indexed import IndexedDataset
 
 logger = logging.getLogger(__name__)
@@ -170,32 +168,10 @@ class GPTDataset(torch.utils.data.Dataset):
         self.seq_length = seq_length
         description = OrderedDict(description, num_samples=num_samples, index_split=split_name,
                                   num_sequences=len(indices))
-        self.unique_description = json.dumps(description, indent=4)
-        self.unique_description_hash = hashlib.md5(self.unique_description.encode("utf-8")).hexdigest()
-        self.document_index, self.sample_index, self.shuffle_index = self._load_or_build(cache_dir)
-
-    def _cache_files(self, cache_dir: str) -> dict[str, str]:
-        base = os.path.join(cache_dir, f"{self.unique_description_hash}-GPTDataset-{self.split_name}")
-        return {k: f"{base}-{k}.npy" for k in ("document_index", "sample_index", "shuffle_index")} | \
-            {"description": f"{base}-description.txt"}
-
-    def _load_or_build(self, cache_dir: str | None):
-        files = self._cache_files(cache_dir) if cache_dir else None
-        if files and all(os.path.isfile(p) for p in files.values()):
-            logger.info("> loading %s %s indices from %s", type(self).__name__, self.split_name, cache_dir)
-            return tuple(np.load(files[k], mmap_mode="r") for k in ("document_index", "sample_index", "shuffle_index"))
-        arrays = self._build()
-        if files and _is_writer_rank():
-            os.makedirs(cache_dir, exist_ok=True)
-            # Written under temporary names and renamed, so a reader never sees half a file.
-            for key, array in zip(("document_index", "sample_index", "shuffle_index"), arrays):
-                tmp = files[key] + f".tmp{os.getpid()}.npy"
-                np.save(tmp, array, allow_pickle=False)
-                os.replace(tmp, files[key])
-            with open(files["description"] + f".tmp{os.getpid()}", "w") as f:
-                f.write(self.unique_description)
-            os.replace(files["description"] + f".tmp{os.getpid()}", files["description"])
-        return arrays
+        cache = IndexCache(cache_dir, "GPTDataset", split_name, description,
+                           ("document_index", "sample_index", "shuffle_index"))
+        self.unique_description, self.unique_description_hash = cache.description, cache.description_hash
+        self.document_index, self.sample_index, self.shuffle_index = cache.load_or_build(self._build)
 
     def _build(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         sizes = self.dataset.sequence_lengths
@@ -242,6 +218,3 @@ class GPTDataset(torch.utils.data.Dataset):
                 "loss_mask": torch.ones(self.seq_length, dtype=torch.float),
                 "position_ids": torch.arange(self.seq_length, dtype=torch.long)}
 
-
-def _is_writer_rank() -> bool:
-    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
