@@ -1,7 +1,8 @@
 """What the launcher reports about a run.
 
 - ``logging_utils.py``: Megatron-LM's iteration line, per-rank memory, the validation box,
-  the FLOP estimate, the JSON metrics log.
+  the JSON metrics log.
+- ``flops.py``: the model FLOPs of a global batch by Megatron-LM's rule (the TFLOP/s column).
 - ``timers.py``: Megatron-LM's named timers for ``--timing-log-level``.
 - ``tensorboard.py``: TensorBoard events and Weights & Biases, with Megatron-LM's scalar names.
 - ``replica_check.py``: ``--check-weight-hash-across-dp-replicas-interval``: replicas bit-identical.
