@@ -33,6 +33,7 @@ CONFIGS = {
     "llama": dict(LLAMA, rotary_base=500000),
     "llama_qk_norm_partial_rope": dict(LLAMA, qk_layernorm=True, rotary_percent=0.5, kv_channels=12),
     "llama_rotary_interleaved": dict(LLAMA, rotary_interleaved=True),
+    "qwen2_qkv_bias": dict(LLAMA, add_bias_linear=False, add_qkv_bias=True),  # Megatron-LM's --add-qkv-bias
     "squared_relu": dict(squared_relu=True, add_bias_linear=False),
     "moe_squared_relu": dict(squared_relu=True, add_bias_linear=False, num_moe_experts=4, moe_router_topk=2,
                              moe_aux_loss_coeff=0.01),

@@ -11,6 +11,8 @@ Modules, one concern each:
   embeddings, experts), one per family of the embedded GPT, or the identity.
 - ``safetensors_io.py``: sharded ``safetensors`` directories read lazily by slices
   (memory-mapped) and written shard by shard with their index.
+- ``hf_slices.py``: where a state-dict value's local tensor lies in the whole tensor
+  (``local_box``), and reading exactly that box of a checkpoint through a name map.
 - ``hf_checkpoint.py``: ``load_hf_checkpoint`` (each rank reads only the slices it keeps) and
   ``save_hf_checkpoint`` (gathered one tensor at a time, written by one rank).
 - ``torch_dist.py``: megatron-core's ``torch_dist`` format through its own

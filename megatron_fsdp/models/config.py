@@ -230,6 +230,9 @@ class GPTConfig:
     add_bias_linear: bool = True
     """Biases on the linear layers (Megatron's ``--disable-bias-linear`` sets False).
     Norms keep their own bias whatever this says, as in Megatron."""
+    add_qkv_bias: bool = False
+    """A bias on the fused QKV projection even when ``add_bias_linear`` is False (Megatron's
+    ``--add-qkv-bias``; Qwen2's layout: biased q/k/v projections, unbiased output and MLP)."""
 
     # -- regularisation and init ------------------------------------------------------
     hidden_dropout: float = 0.0

@@ -168,6 +168,8 @@ def _transformer_config(cfg: GPTConfig, args: argparse.Namespace, *, cross_entro
                        moe_layer_freq=cfg.moe_layer_freq)
     if cfg.qk_layernorm:
         changes["qk_layernorm"] = True  # read by get_gpt_decoder_block_spec (Megatron-LM: --qk-layernorm)
+    if cfg.add_qkv_bias:
+        changes["add_qkv_bias"] = True  # Megatron-LM: --add-qkv-bias (Qwen2's biased q/k/v)
     if cfg.apply_layernorm_1p:
         changes["layernorm_zero_centered_gamma"] = True  # Megatron-LM: --apply-layernorm-1p
     if cfg.rotary_interleaved:

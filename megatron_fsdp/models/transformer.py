@@ -44,7 +44,7 @@ class CausalSelfAttention(nn.Module):
         self.q_size, self.kv_size = self.heads * self.head_dim, self.groups * self.head_dim
         self.gate_size = self.q_size if cfg.attention_output_gate else 0
         self.qkv = InitLinear(cfg.hidden_size, self.q_size + 2 * self.kv_size + self.gate_size,
-                              bias=cfg.add_bias_linear, std=cfg.init_method_std)
+                              bias=cfg.add_bias_linear or cfg.add_qkv_bias, std=cfg.init_method_std)
         self.proj = InitLinear(self.q_size, cfg.hidden_size, bias=cfg.add_bias_linear, std=scaled_init_std(cfg))
         if cfg.qk_layernorm:
             self.q_layernorm = build_norm(cfg, self.head_dim)
