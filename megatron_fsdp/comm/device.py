@@ -91,6 +91,29 @@ def empty_cache(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def record_memory_history(device: torch.device, max_entries: int = 100_000) -> bool:
+    """Start the CUDA caching allocator's allocation history (stack traces of every block)
+    for ``dump_memory_snapshot``; False on the CPU, whose allocator keeps none."""
+    if device.type != "cuda":
+        return False
+    torch.cuda.memory._record_memory_history(max_entries=max_entries)
+    return True
+
+
+def dump_memory_snapshot(device: torch.device, path: str) -> None:
+    """Write the allocator history started by ``record_memory_history`` (pytorch.org/memory_viz)."""
+    if device.type == "cuda":
+        torch.cuda.memory._dump_snapshot(path)
+
+
+def external_profiler_range(device: torch.device, start: bool) -> None:
+    """Open or close the range an external CUDA profiler (Nsight Systems' ``--capture-range
+    cudaProfilerApi``) records; nothing on the CPU."""
+    if device.type == "cuda":
+        call = torch.cuda.cudart().cudaProfilerStart if start else torch.cuda.cudart().cudaProfilerStop
+        torch.cuda.check_error(call())
+
+
 def describe(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
