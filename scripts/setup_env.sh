@@ -27,6 +27,9 @@ fi
 # SentencePieceTokenizer (megatron_fsdp/training/data/sentencepiece_tokenizers.py); it has no dependencies,
 # and --no-deps keeps pip from ever touching torch. Without it those types are refused at validation.
 "$PY" -m pip install -q --no-deps sentencepiece || echo "setup_env: WARNING: could not install sentencepiece (optional)" >&2
+# Optional: `tiktoken` runs --tokenizer-type TikTokenizer (training/data/tiktoken_tokenizer.py); it does not
+# depend on torch. Without it that type is refused at validation.
+"$PY" -m pip install -q tiktoken || echo "setup_env: WARNING: could not install tiktoken (optional)" >&2
 # Optional Hugging Face interop (megatron_fsdp/interop/: checkpoints in and out, wrapped transformers
 # models in the tests): `safetensors` and transformers' own dependencies do not depend on torch;
 # transformers itself is installed with --no-deps so that pip never touches the installed torch.

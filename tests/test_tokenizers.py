@@ -142,7 +142,8 @@ def test_null_and_byte_tokenizers():
     ("HuggingFaceTokenizer", {"tokenizer_model": "meta-llama/Llama-3-8B"}, "not downloaded here"),
     ("HuggingFaceTokenizer", {}, "needs --tokenizer-model"),
     ("NullTokenizer", {}, "needs --vocab-size"),
-    ("TikTokenizer", {}, "not supported here; use GPT2BPETokenizer"),
+    ("TikTokenizer", {}, "needs --tokenizer-model VOCAB.json"),
+    ("MultimodalTokenizer", {}, "not supported here; use GPT2BPETokenizer"),
     ("Word2Vec", {}, "is not one of"),
 ])
 def test_bad_tokenizer_flags_are_clear_errors(kind, kwargs, message):

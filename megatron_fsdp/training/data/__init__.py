@@ -20,7 +20,8 @@ Modules, one concern each:
   sequences for tests and the benchmark).
 - ``tokenizers.py``: tokenizers that work offline with the user's own files, with Megatron-LM's
   names (GPT-2 BPE, Null, Byte, Hugging Face); ``sentencepiece_tokenizers.py`` the
-  SentencePiece ones (``--tokenizer-model``).
+  SentencePiece ones (``--tokenizer-model``); ``tiktoken_tokenizer.py`` the TikTokenizer (a tiktoken JSON
+  vocabulary after Megatron-LM's special ids).
 - ``from_args.py``: ``data_args_problems``, ``build_tokenizer_from_args`` and ``build_datasets``:
   the above from the launcher's parsed flags.
 - ``sources.py``: the launcher's call: the vocabulary size from the tokenizer, then the sources.

@@ -37,7 +37,8 @@ def data_args_problems(args) -> list[str]:
     problems += tokenizer_problems(getattr(kind, "value", kind), vocab_file=getattr(args, "vocab_file", None),
                                    merge_file=getattr(args, "merge_file", None),
                                    tokenizer_model=getattr(args, "tokenizer_model", None),
-                                   vocab_size=getattr(args, "vocab_size", None))
+                                   vocab_size=getattr(args, "vocab_size", None),
+                                   tiktoken_pattern=getattr(args, "tiktoken_pattern", None))
     return problems
 
 
@@ -51,7 +52,10 @@ def build_tokenizer_from_args(args):
                            merge_file=getattr(args, "merge_file", None),
                            tokenizer_model=getattr(args, "tokenizer_model", None),
                            vocab_size=getattr(args, "vocab_size", None),
-                           vocab_extra_ids=getattr(args, "vocab_extra_ids", None) or 0)
+                           vocab_extra_ids=getattr(args, "vocab_extra_ids", None) or 0,
+                           tiktoken_pattern=getattr(args, "tiktoken_pattern", None),
+                           tiktoken_num_special_tokens=getattr(args, "tiktoken_num_special_tokens", None) or 1000,
+                           special_tokens=getattr(args, "special_tokens", None))
 
 
 def build_datasets(args) -> tuple[SampleSource, SampleSource | None]:

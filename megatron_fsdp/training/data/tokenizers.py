@@ -40,7 +40,7 @@ import unicodedata
 from collections import OrderedDict
 from typing import Protocol, Sequence
 
-from . import sentencepiece_tokenizers
+from . import sentencepiece_tokenizers, tiktoken_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -66,12 +66,15 @@ class TokenizerType(enum.Enum):
     SENTENCEPIECE = "SentencePieceTokenizer"
     """``--tokenizer-model`` SentencePiece file plus Megatron-LM's <CLS>/<SEP>/<EOD>/<MASK> tokens and
     ``--vocab-extra-ids``; eod = <EOD> (needs ``sentencepiece``)."""
+    TIKTOKEN = "TikTokenizer"
+    """``--tokenizer-model`` tiktoken JSON vocabulary after Megatron-LM's special ids, ``--tiktoken-pattern``,
+    ``--tiktoken-num-special-tokens``, ``--tokenizer-special-tokens``; eod = </s> (needs ``tiktoken``)."""
 
 
 # Megatron-LM accepts these too; they need files or libraries this project does not
 # read, so they are refused with a pointer to what works instead.
 UNSUPPORTED_TOKENIZERS = (
-    "BertWordPieceLowerCase", "BertWordPieceCase", "TikTokenizer", "MultimodalTokenizer",
+    "BertWordPieceLowerCase", "BertWordPieceCase", "MultimodalTokenizer",
     "NullMultimodalTokenizer", "SFTTokenizer",
 )
 _SENTENCEPIECE_KINDS = (TokenizerType.GPT_SENTENCEPIECE, TokenizerType.LLAMA2, TokenizerType.SENTENCEPIECE)
@@ -434,15 +437,15 @@ def _load_tokenizer_json(path: str):
 
 def tokenizer_problems(tokenizer_type: str | None, *, vocab_file: str | None = None,
                        merge_file: str | None = None, tokenizer_model: str | None = None,
-                       vocab_size: int | None = None) -> list[str]:
+                       vocab_size: int | None = None, tiktoken_pattern: str | None = None) -> list[str]:
     """What is wrong with these tokenizer flags (empty if nothing): for validation, before any process group."""
     if tokenizer_type is None:
         return []
     if tokenizer_type in UNSUPPORTED_TOKENIZERS:
         return [f"--tokenizer-type {tokenizer_type} is not supported here; use GPT2BPETokenizer (--vocab-file "
                 "--merge-file), HuggingFaceTokenizer (--tokenizer-model LOCAL_DIR), GPTSentencePieceTokenizer / "
-                "Llama2Tokenizer / SentencePieceTokenizer (--tokenizer-model FILE.model), NullTokenizer "
-                "(--vocab-size) or ByteTokenizer"]
+                "Llama2Tokenizer / SentencePieceTokenizer (--tokenizer-model FILE.model), TikTokenizer "
+                "(--tokenizer-model VOCAB.json), NullTokenizer (--vocab-size) or ByteTokenizer"]
     try:
         kind = TokenizerType(tokenizer_type)
     except ValueError:
@@ -463,6 +466,8 @@ def tokenizer_problems(tokenizer_type: str | None, *, vocab_file: str | None = N
                             "downloaded here; save the tokenizer to a local directory)")
     elif kind in _SENTENCEPIECE_KINDS:
         problems += sentencepiece_tokenizers.sentencepiece_problems(kind.value, tokenizer_model)
+    elif kind is TokenizerType.TIKTOKEN:
+        problems += tiktoken_tokenizer.tiktoken_problems(tokenizer_model, tiktoken_pattern)
     elif kind is TokenizerType.NULL and vocab_size is None:
         problems.append("--tokenizer-type NullTokenizer needs --vocab-size")
     return problems
@@ -470,16 +475,21 @@ def tokenizer_problems(tokenizer_type: str | None, *, vocab_file: str | None = N
 
 def build_tokenizer(tokenizer_type: str | TokenizerType, *, vocab_file: str | None = None,
                     merge_file: str | None = None, tokenizer_model: str | None = None,
-                    vocab_size: int | None = None, vocab_extra_ids: int = 0) -> Tokenizer:
+                    vocab_size: int | None = None, vocab_extra_ids: int = 0,
+                    tiktoken_pattern: str | None = None,
+                    tiktoken_num_special_tokens: int = tiktoken_tokenizer.DEFAULT_NUM_SPECIAL_TOKENS,
+                    special_tokens: Sequence[str] | None = None) -> Tokenizer:
     """The tokenizer for Megatron-LM's ``--tokenizer-type`` and its file flags.
 
-    ``vocab_size`` is used by NullTokenizer only, ``vocab_extra_ids`` by SentencePieceTokenizer
-    only. The model's (padded) vocabulary is
+    ``vocab_size`` is used by NullTokenizer and TikTokenizer only, ``vocab_extra_ids`` by
+    SentencePieceTokenizer only, the ``tiktoken_*`` and ``special_tokens`` options by
+    TikTokenizer only. The model's (padded) vocabulary is
     ``vocab_size_with_padding(tokenizer.vocab_size, make_vocab_size_divisible_by)``.
     """
     value = tokenizer_type.value if isinstance(tokenizer_type, TokenizerType) else tokenizer_type
     problems = tokenizer_problems(value, vocab_file=vocab_file, merge_file=merge_file,
-                                  tokenizer_model=tokenizer_model, vocab_size=vocab_size)
+                                  tokenizer_model=tokenizer_model, vocab_size=vocab_size,
+                                  tiktoken_pattern=tiktoken_pattern)
     if problems:
         raise ValueError("; ".join(problems))
     match TokenizerType(value):
@@ -498,6 +508,10 @@ def build_tokenizer(tokenizer_type: str | TokenizerType, *, vocab_file: str | No
         case TokenizerType.SENTENCEPIECE:
             return sentencepiece_tokenizers.SentencePieceTokenizer(tokenizer_model,
                                                                   vocab_extra_ids=vocab_extra_ids or 0)
+        case TokenizerType.TIKTOKEN:
+            return tiktoken_tokenizer.TikTokenizer(tokenizer_model, pattern=tiktoken_pattern, vocab_size=vocab_size,
+                                                   num_special_tokens=tiktoken_num_special_tokens,
+                                                   special_tokens=special_tokens)
     raise AssertionError(value)  # every TokenizerType is matched above
 
 
