@@ -17,6 +17,14 @@ Modules, one concern each:
   ``save_hf_checkpoint`` (gathered one tensor at a time, written by one rank).
 - ``torch_dist.py``: megatron-core's ``torch_dist`` format through its own
   ``dist_checkpointing``: ``save_torch_dist`` / ``load_torch_dist``.
+- ``torch_dist_keys.py``: where each tensor goes among megatron-core's keys (stacked layer and
+  expert axes, per-group QKV, TransformerEngine vs local norm names, extra-state objects).
+- ``torch_dist_shards.py``: each rank's blocks as megatron-core ``ShardedTensor``s (uneven
+  blocks; QKV as runs of rows) and back.
+- ``torch_dist_io.py``: the ``dist_checkpointing`` calls, directory checks, the CUDA-free save
+  strategy, ``is_torch_dist_checkpoint``.
+- ``torch_dist_optim.py``: Adam state in the distributed optimizer's ``fully_reshardable``
+  per-parameter layout.
 
 This floor sits beside the planner (``tools/``): it reads the public face, ``state``'s declared
 surface and the embedded models; the launcher (``training/``) and the converter
