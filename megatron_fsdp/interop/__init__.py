@@ -15,6 +15,8 @@ Modules, one concern each:
   (``local_box``), and reading exactly that box of a checkpoint through a name map.
 - ``hf_checkpoint.py``: ``load_hf_checkpoint`` (each rank reads only the slices it keeps) and
   ``save_hf_checkpoint`` (gathered one tensor at a time, written by one rank).
+- ``hf_modules.py``: the decoder layers of a ``transformers`` model (``hf_decoder_layer_classes``,
+  ``hf_decoder_layers``), found from its ``_no_split_modules``: the FSDP units.
 - ``torch_dist.py``: megatron-core's ``torch_dist`` format through its own
   ``dist_checkpointing``: ``save_torch_dist`` / ``load_torch_dist``.
 - ``torch_dist_keys.py``: where each tensor goes among megatron-core's keys (stacked layer and

@@ -250,8 +250,14 @@ def _resolve_save(model, name_map, config, family, hf_config, names, state) -> t
         own = getattr(_inner(model), "config", None)
         if hasattr(own, "to_dict"):
             hf_config = own.to_dict()
-            hf_config["architectures"] = hf_config.get("architectures") or [type(_inner(model)).__name__]
+            hf_config["architectures"] = hf_config.get("architectures") or [_user_class(_inner(model)).__name__]
     return name_map, hf_config
+
+
+def _user_class(module: torch.nn.Module) -> type:
+    """The model's own class: ``experimental.fully_shard`` gives a sharded module a subclass
+    of this package's (``ExperimentalFsdp<Name>``), which transformers would not know."""
+    return next(c for c in type(module).__mro__ if not c.__module__.startswith("megatron_fsdp"))
 
 
 def _write_side_files(out_dir: str, hf_config: Optional[dict], dtype: Optional[torch.dtype],
