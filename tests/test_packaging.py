@@ -86,11 +86,13 @@ def test_the_wheel_carries_the_tables_types_and_license(built):
         names = set(archive.namelist())
         (metadata_name,) = [n for n in names if n.endswith(".dist-info/METADATA")]
         meta = email.message_from_string(archive.read(metadata_name).decode())
+        entry_points = archive.read(metadata_name.replace("METADATA", "entry_points.txt")).decode()
     assert "megatron_fsdp/py.typed" in names
     assert "megatron_fsdp/training/args/flag_data/megatron_lm_flags.csv" in names
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
     assert not any(n.startswith(("tests/", "scripts/")) for n in names)
     assert meta["Name"] == "mfsdp" and meta["License-Expression"] == "Apache-2.0"
+    assert "megatron-fsdp-plan = megatron_fsdp.tools.plan_cli:main" in entry_points
     requires = meta.get_all("Requires-Dist")
     assert "torch<2.15,>=2.11" in requires and "numpy>=1.22" in requires
     assert 'transformer-engine[pytorch]; extra == "te"' in requires
