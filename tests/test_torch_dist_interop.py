@@ -29,6 +29,7 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 import megatron_fsdp as mf  # noqa: E402
 from conftest import get_pool  # noqa: E402
 from mcore_parity import LLAMA, SEQ, SMALL, VOCAB  # noqa: E402
+from megatron.core.safe_globals import register_safe_globals  # noqa: E402
 from megatron_fsdp.interop.torch_dist import (  # noqa: E402
     TorchDistMismatchError, is_torch_dist_checkpoint, load_torch_dist, save_torch_dist,
 )
@@ -147,6 +148,7 @@ def megatron_core_reads_worker(rank, world, *, name, directory):
     full = mf.get_full_state_dict(model)
     save_torch_dist(model, directory, config=cfg, spec="local", common_state={"iteration": 3})
     inputs, _ = _tokens()
+    register_safe_globals()  # torch_dist_io.py [Note: common.pt's classes]: what Megatron-LM's start-up does
     with cpu_shim():
         theirs = _mcore(cfg, seed=7)
         loaded = dist_checkpointing.load({"model": theirs.sharded_state_dict()}, directory)
@@ -228,6 +230,7 @@ def expert_parallel_worker(rank, world, *, directory):
     model = build(0)
     full = mf.get_full_state_dict(model)
     save_torch_dist(model, directory, config=cfg, spec="local")
+    register_safe_globals()  # torch_dist_io.py [Note: common.pt's classes]: what Megatron-LM's start-up does
     with cpu_shim():
         theirs = _mcore(cfg, seed=7)
         loaded = dist_checkpointing.load({"model": theirs.sharded_state_dict()}, directory)
@@ -268,6 +271,7 @@ def wrapped_mcore_worker(rank, world, *, name, directory):
         wrapped = FullyShardedDataParallel(source.config, ddp, source)
         save_torch_dist(wrapped, f"{directory}/ours", config=cfg, spec="local")
         reader = _mcore(cfg, seed=3)
+        register_safe_globals()
         loaded = dist_checkpointing.load({"model": reader.sharded_state_dict()}, f"{directory}/ours")
         reader.load_state_dict(loaded["model"], strict=False)
         read = max((reader.state_dict()[k] - v).abs().max().item() for k, v in weights.items())

@@ -105,9 +105,22 @@ def save_sharded(state: dict[str, Any], path: str | os.PathLike, content_metadat
     dist_checkpointing.save(state, os.fspath(path), sharded_strategy=strategy, content_metadata=content_metadata)
 
 
+def _allow_common_classes() -> None:
+    """[Note: common.pt's classes] megatron-core reads ``common.pt`` with torch's
+    ``weights_only`` unpickler and allowlists what it holds (the args ``Namespace``, numpy
+    arrays, its enums) when ``megatron.core`` is first imported. An import that happened inside
+    a ``torch.serialization.safe_globals`` block loses that list when the block exits, and the
+    read then fails on ``argparse.Namespace``; so every read here allowlists them again, as
+    importing megatron-core does."""
+    from megatron.core.safe_globals import register_safe_globals
+
+    register_safe_globals()
+
+
 def load_sharded(state: dict[str, Any], path: str | os.PathLike) -> dict[str, Any]:
     from megatron.core import dist_checkpointing
 
+    _allow_common_classes()
     return dist_checkpointing.load(state, os.fspath(path))
 
 
@@ -123,4 +136,5 @@ def common_state(path: str | os.PathLike) -> dict[str, Any]:
     """``common.pt``: what rank 0 saved besides the tensors (args, iteration, ...)."""
     from megatron.core import dist_checkpointing
 
+    _allow_common_classes()
     return dist_checkpointing.load_common_state_dict(os.fspath(path))
