@@ -30,7 +30,10 @@ from megatron_fsdp.training.optim.lr_schedule import LRSchedule
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "pretrain_gpt.py"
-STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
+LONG = bool(os.environ.get("MFSDP_LAUNCHER_LONG"))
+STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"] if LONG else ["no_shard", "optim_grads_params"]
+"""Each strategy is a torchrun of its own; by default the two ends (the in-process launcher tests
+run every strategy against DDP), all four with MFSDP_LAUNCHER_LONG=1."""
 TINY = [
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
     "--seq-length", "32", "--max-position-embeddings", "32",
