@@ -39,14 +39,16 @@ from megatron_fsdp.training.data.sources import build_sources
 from megatron_fsdp.training.observe.logging_utils import (
     IntervalStats,
     MetricsRecorder,
-    flops_per_iteration,
     format_iteration_line,
     log_memory,
     log_validation,
+    memory_snapshot,
     setup_logging,
     validation_ppl,
 )
 from megatron_fsdp.training.observe import tensorboard as dashboards_mod
+from megatron_fsdp.training.observe.flops import num_floating_point_operations
+from megatron_fsdp.training.observe.profiling import RunProfiler
 from megatron_fsdp.training.exit_conditions import ExitConditions
 from megatron_fsdp.training.observe.timers import Timers
 from megatron_fsdp.training.optim.loss_scaler import LossScaler
@@ -261,7 +263,7 @@ def train(args, ctx: StepContext, state: TrainState, train_src, valid_src, metri
           dash) -> tuple[Saver, bool]:
     """Run iterations until the budget (or an exit condition); returns the saver and
     whether an exit condition (--exit-interval, --exit-duration-in-mins, a signal) ended it."""
-    flops = flops_per_iteration(args, ctx.bundle.num_parameters)
+    flops = num_floating_point_operations(args, args.global_batch_size)  # Megatron-LM's rule
     balancing_name = MoELoadBalancing.parse(args.moe_router_load_balancing_type,
                                             arg_name="--moe-router-load-balancing-type").log_name
     stats = IntervalStats(balancing_name=balancing_name)
@@ -270,6 +272,8 @@ def train(args, ctx: StepContext, state: TrainState, train_src, valid_src, metri
     first_iteration = state.iteration + 1
     saver = Saver(args, ctx)
     exits = ExitConditions(args, ctx.device)
+    profiler = RunProfiler(args, dist.get_rank(), ctx.device,
+                           memory_summary=lambda: memory_snapshot(ctx.bundle.model, ctx.device))
     # Iteration times come from the wall clock between iterations; the device is
     # synchronised only where an interval is read (the log line) or paused (eval,
     # checkpoints), as Megatron-LM's interval timer does: a per-iteration
@@ -282,6 +286,7 @@ def train(args, ctx: StepContext, state: TrainState, train_src, valid_src, metri
     while state.iteration < args.train_iters:
         batch, step_ctx = next_batch(args, ctx, state, saver, micro_batches)
         micro_batches = batch.num_microbatches
+        profiler.before_iteration(state.iteration)
         result = train_step(step_ctx, state, train_src)
         state.skipped_train_samples += batch.skipped_samples
         interval = args.check_weight_hash_across_dp_replicas_interval
@@ -316,6 +321,7 @@ def train(args, ctx: StepContext, state: TrainState, train_src, valid_src, metri
                 memory_reports += 1
                 if args.log_memory_to_tensorboard:
                     dashboards_mod.write_memory_scalars(dash, snaps[0], state.iteration)
+        profiler.after_iteration(state.iteration, logs)
         paused = False
         if args.eval_iters and state.iteration % args.eval_interval == 0:
             maybe_evaluate(args, ctx, state, valid_src, metrics, dash)
@@ -332,8 +338,10 @@ def train(args, ctx: StepContext, state: TrainState, train_src, valid_src, metri
                 saver.save(state)
             logger.info("exiting program at iteration %d (%s)", state.iteration, reason)
             exits.close()
+            profiler.close()
             return saver, True
     exits.close()
+    profiler.close()
     return saver, False
 
 

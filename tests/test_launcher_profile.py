@@ -10,6 +10,7 @@ import json
 import pickle
 from argparse import Namespace
 
+import pytest
 import torch
 
 from megatron_fsdp.training.observe.profiling import RunProfiler
@@ -61,3 +62,40 @@ def test_cpu_memory_history_writes_host_summaries(tmp_path, caplog):
         summary = pickle.load(f)
     assert summary["device"] == "cpu" and summary["rss"] == 123 and summary["peak_temporary"] == 7
     assert "no allocation history" in summary["note"]
+
+
+# -- through the launcher -------------------------------------------------------------------
+LAUNCH = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
+          "--micro-batch-size 1 --global-batch-size 4 --train-iters 6 --lr 3e-3 --log-interval 2 --plot-path none "
+          "--mock-data --tokenizer-type NullTokenizer --vocab-size 64 --use-megatron-fsdp "
+          "--data-parallel-sharding-strategy optim_grads_params --profile --use-pytorch-profiler "
+          "--profile-step-start 2 --profile-step-end 4 --profile-ranks 0 1 ")
+
+
+def launcher_profile_worker(rank, world, *, out):
+    from launcher_inprocess import run_launcher
+
+    run_launcher(LAUNCH + f"--tensorboard-dir {out}/tb --record-memory-history "
+                 f"--memory-snapshot-path {out}/mem/snapshot.pickle", world)
+    return sorted(_trace_names(f"{out}/torch_profile/rank-{rank}.json.gz"))
+
+
+def test_the_launcher_writes_the_window_with_the_engines_ranges(pool2, tmp_path):
+    for rank, names in enumerate(pool2.run(launcher_profile_worker, out=str(tmp_path))):
+        steps = [n for n in names if n.startswith("ProfilerStep#")]
+        assert steps == ["ProfilerStep#2", "ProfilerStep#3"], steps  # iterations 2 and 3 only
+        engine = {n.split(":")[2] if n.count(":") > 2 else n for n in names if n.startswith("megatron_fsdp::")}
+        assert any(n.startswith("megatron_fsdp::all_gather") for n in names), sorted(engine)[:20]
+        assert any(n.startswith("megatron_fsdp::reduce_scatter") for n in names), sorted(engine)[:20]
+        with open(tmp_path / "mem" / f"snapshot_{rank}.pickle", "rb") as f:
+            assert pickle.load(f)["device"] == "cpu"  # logged iterations: host summaries on the CPU
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the external profiler's range is CUDA's")
+def test_profile_without_the_pytorch_profiler_needs_cuda():
+    import shlex
+
+    from megatron_fsdp.training.args.arguments import ArgumentError, parse_args
+
+    with pytest.raises(ArgumentError, match="needs CUDA; add --use-pytorch-profiler"):
+        parse_args(shlex.split(LAUNCH.replace("--use-pytorch-profiler ", "")), world_size=2)

@@ -66,7 +66,7 @@ def collect_problems(args: argparse.Namespace, world_size: int) -> list[str]:
     for rule in (_required, _model_shape, _model_features, _multi_latent_attention, _multi_token_prediction,
                  _recompute, _batch, _eval_batch, _batch_rampup, _schedule, _data_parallel, _megatron_fsdp,
                  _precision, _determinism, _data, _fim, _io, _optional_packages, _muon, _activation_offload,
-                 _rerun):
+                 _rerun, _profiling):
         problems += rule(args, data_parallel)  # the rules' second parameter: the data-parallel size
     return problems
 
@@ -292,6 +292,21 @@ def _multi_token_prediction(args, world_size) -> list[str]:
 
 def _activation_offload(args, world_size) -> list[str]:
     return activation_offload_flags.offload_problems(args)
+
+
+def _profiling(args, world_size) -> list[str]:
+    """observe/profiling.py [Note: the profiling window]."""
+    if not args.profile:
+        return []
+    problems = []
+    if args.profile_step_end <= args.profile_step_start or args.profile_step_start < 0:
+        problems.append(f"--profile-step-start {args.profile_step_start} and --profile-step-end "
+                        f"{args.profile_step_end}: the window needs 0 <= start < end")
+    on_cuda = device_mod.cuda_available() and args.distributed_backend != "gloo"  # nccl, the default with CUDA
+    if not args.use_pytorch_profiler and not on_cuda:
+        problems.append("--profile without --use-pytorch-profiler opens the range of an external CUDA profiler "
+                        "(nsys), which needs CUDA; add --use-pytorch-profiler for a torch.profiler trace")
+    return problems
 
 
 def _rerun(args, world_size) -> list[str]:

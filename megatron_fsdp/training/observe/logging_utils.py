@@ -1,5 +1,5 @@
 """What the launcher prints: Megatron-LM's iteration line, per-rank memory, the
-validation box, a FLOP estimate for the throughput column, and the JSON metrics
+validation box and the JSON metrics
 file. Only rank 0 logs (through ``logging``); other ranks report errors only.
 """
 
@@ -133,24 +133,6 @@ def format_iteration_line(*, iteration: int, train_iters: int, consumed_samples:
     line += f" number of skipped iterations: {stats.skipped:3d} |"
     line += f" number of nan iterations: {stats.nan:3d} |"
     return line
-
-
-def flops_per_iteration(args, num_parameters: int) -> float:
-    """Training FLOPs of one global batch: 6 per parameter per token (forward and
-    backward matmuls) plus the attention score/value products, 12*L*h*s per token;
-    full activation recomputation repeats the forward of the blocks
-    it checkpoints (+1/3 of their cost). Multi-token prediction adds its layers' attention
-    and one more pass through the output layer per depth (as Megatron-LM counts them)."""
-    tokens = args.global_batch_size * args.seq_length
-    depths = getattr(args, "mtp_num_layers", None) or 0
-    attention = 12 * (args.num_layers + depths) * args.hidden_size * args.seq_length
-    mtp_logits = 6 * depths * args.hidden_size * (getattr(args, "padded_vocab_size", None) or 0)
-    flops = tokens * (6 * num_parameters + attention + mtp_logits)
-    recomputed = 0.0  # fraction of the blocks whose forward runs twice
-    if args.recompute_granularity == "full":
-        block = args.recompute_method == "block"
-        recomputed = min(args.recompute_num_layers or 1, args.num_layers) / args.num_layers if block else 1.0
-    return flops * (1 + recomputed / 3)
 
 
 # -- memory -----------------------------------------------------------------------
