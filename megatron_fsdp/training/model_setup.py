@@ -310,6 +310,7 @@ MODEL_FLAG_FIELDS = (
     ModelFlag("kv_channels", "kv_channels", None),
     ModelFlag("untie_embeddings_and_output_weights", "untie_embeddings_and_output_weights", False),
     ModelFlag("add_bias_linear", "add_bias_linear", True),
+    ModelFlag("add_qkv_bias", "add_qkv_bias", False),
     ModelFlag("hidden_dropout", "hidden_dropout", 0.0),
     ModelFlag("attention_dropout", "attention_dropout", 0.0),
     ModelFlag("init_method_std", "init_method_std", 0.02),
