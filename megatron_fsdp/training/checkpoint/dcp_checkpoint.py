@@ -151,13 +151,11 @@ class AsyncSaver:
     def __init__(self, retain_interval: Optional[int] = None) -> None:
         self._group = dist.new_group(backend="gloo")
         self._retain_interval = retain_interval
-        self._pending: Optional[tuple[Any, str, str, int]] = None
+        self._pending: Optional[tuple[Any, Any, str, str, int]] = None
 
     def save(self, root: str, iteration: int, model, optimizer, extra_state: dict) -> None:
         self.finalize()
         # The same layout and per-rank extra-state files as the synchronous save.
-        from torch.utils._pytree import tree_map
-
         rank = dist.get_rank()
         final = checkpoint_dir(root, iteration)
         tmp = final + ".tmp"
@@ -167,19 +165,20 @@ class AsyncSaver:
             os.makedirs(tmp)
         dist.barrier()
         torch.save(extra_state, os.path.join(tmp, engine_state.EXTRA_STATE_FILE.format(rank=rank)))
-        # A private host copy first (state_dict.clone_for_load): training goes on
-        # while DCP writes, and must not change what is being written.
-        staged = tree_map(engine_state.clone_for_load, engine_state.checkpoint_state(checkpoint_module(model), optimizer))
-        future = dcp.async_save(staged, checkpoint_id=tmp, process_group=self._group)
-        self._pending = (future, root, tmp, iteration)
+        module = checkpoint_module(model)
+        state = engine_state.checkpoint_state(module, optimizer)
+        stager = _OneHostCopy(_live_storages(module, optimizer))
+        future = dcp.async_save(state, checkpoint_id=tmp, process_group=self._group, async_stager=stager)
+        self._pending = (future, stager, root, tmp, iteration)
         logger.info("  started an asynchronous save of iteration %7d to %s", iteration, root)
 
     def finalize(self) -> None:
         if self._pending is None:
             return
-        future, root, tmp, iteration = self._pending
+        future, stager, root, tmp, iteration = self._pending
         self._pending = None
         future.result()
+        stager.close()  # DCP leaves closing a stager it was given to the caller
         dist.barrier()
         if dist.get_rank() == 0:
             final = checkpoint_dir(root, iteration)
@@ -188,6 +187,60 @@ class AsyncSaver:
             publish_checkpoint(root, iteration, self._retain_interval)
         dist.barrier()
         logger.info("  successfully saved checkpoint from iteration %7d to %s (asynchronously)", iteration, root)
+
+
+class _OneHostCopy:
+    """[Note: one host copy] An asynchronous save must not see training change what it writes,
+    so the state is staged in host memory before ``async_save`` returns. DCP's default stager
+    copies every tensor, but many of ours are already private: the state dict's whole-row
+    DTensors of sharded weights and optimizer states are built fresh for it. This stager
+    (DCP's ``AsyncStager`` protocol) copies only the tensors that share storage with the live
+    model or optimizer, and those on the GPU (pinned host memory there, as DCP's pinned
+    stager), so every value exists once on the host while the save is written (before: a
+    host copy of everything, then DCP's copy of that copy)."""
+
+    _synchronize_after_execute = False
+
+    def __init__(self, live: set[int]) -> None:
+        self.live = live
+        """Storage addresses of the model's parameters and buffers and the optimizer's state."""
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return False
+
+    def stage(self, state_dict: dict) -> dict:
+        from torch.utils._pytree import tree_map
+
+        return tree_map(self._private, state_dict)
+
+    def _private(self, value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        local = value.to_local() if hasattr(value, "to_local") else value
+        if local.device.type == "cpu" and local.untyped_storage().data_ptr() not in self.live:
+            return value  # built for the state dict: nothing else writes it
+        copy = torch.empty_like(local, device="cpu", pin_memory=local.device.type == "cuda")
+        copy.copy_(local)
+        if local is value:
+            return copy
+        return type(value).from_local(copy, value.device_mesh, value.placements, run_check=False,
+                                      shape=value.shape, stride=value.stride())
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _live_storages(model, optimizer) -> set[int]:
+    from torch.utils._pytree import tree_leaves
+
+    tensors = [*model.parameters(), *model.buffers()]
+    if optimizer is not None:
+        tensors += [t for t in tree_leaves(list(optimizer.state.values())) if isinstance(t, torch.Tensor)]
+    return {(t.to_local() if hasattr(t, "to_local") else t).untyped_storage().data_ptr() for t in tensors}
 
 
 def load(root: str, model, optimizer, step: Optional[int] = None) -> Optional[dict]:
