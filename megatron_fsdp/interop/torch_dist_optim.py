@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 
 from ..models import GPTConfig
-from ..state import materialize_optimizer_state
+from ..state import materialize_optimizer_state, parameter_names
 from .torch_dist_io import tensor_shapes
 from .torch_dist_keys import mcore_target, our_name
 from .torch_dist_shards import local_block, piece_values, put_piece, row_pieces, sharded_tensor
@@ -40,22 +40,6 @@ MAIN_PARAM_PREFIX = _PREFIX + "param."
 """fully_reshardable's fp32 main weights: ``optimizer.state.param.<parameter key>``."""
 
 
-def _parameter_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
-    """Our name of each parameter in ``optimizer.state_dict()``'s numbering."""
-    names = {id(p): name for name, p in model.named_parameters()}
-    ordered, seen = [], set()
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if id(p) in seen:
-                continue
-            seen.add(id(p))
-            if id(p) not in names:
-                raise ValueError("the optimizer holds a parameter the model does not own; pass the optimizer built "
-                                 "for this model (fully_shard returns both)")
-            ordered.append(our_name(names[id(p)]))
-    return ordered
-
-
 class OptimizerPieces:
     """The optimizer's standard state dict and, per moment of each parameter, this rank's block."""
 
@@ -64,7 +48,7 @@ class OptimizerPieces:
         self.state_dict = optimizer.state_dict()
         self.cfg = cfg
         self.items = []  # (index, moment, target, block)
-        for index, name in enumerate(_parameter_names(model, optimizer)):
+        for index, name in enumerate(our_name(n) for n in parameter_names(model, optimizer)):
             target = mcore_target(name, cfg, spec)
             state = self.state_dict["state"].get(index)
             if target is None or not state:

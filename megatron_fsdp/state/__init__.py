@@ -44,6 +44,7 @@ from .model_state_dict import (
     save_full_state_dict,
     sharded_state_dict,
 )
+from .optimizer_names import parameter_names
 from .optimizer_state_dict import gather_optimizer_state_to
 
 __all__ = [
@@ -61,6 +62,7 @@ __all__ = [
     "load_checkpoint",
     "load_full_state_dict",
     "materialize_optimizer_state",
+    "parameter_names",
     "module_state_dict_from",
     "save_checkpoint",
     "save_full_state_dict",
