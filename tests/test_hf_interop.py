@@ -261,14 +261,22 @@ def sharded_worker(rank, world, *, path, out, strategy, family, vocab):
 
         kwargs["expt_device_mesh"] = init_device_mesh("cpu", (world, 1), mesh_dim_names=("fsdp", "tp"))
     fsdp = mf.fully_shard_model(model, fsdp_unit_modules=[TransformerBlock], zero_dp_strategy=strategy, **kwargs)
+    report, diff, logit_diff = _load_compare_export(fsdp, single, path, out)
+    return diff, report.read.bytes, report.read.rows, logit_diff
+
+
+def _load_compare_export(fsdp, single, path, out):
+    """Load ``path`` into the wrapped ``fsdp`` and export it to ``out``: (the load's report, the
+    largest weight difference to ``single`` loaded alone, the largest logit difference)."""
     report = load_hf_checkpoint(fsdp, path)
     full = mf.get_full_state_dict(fsdp)
     diff = max((full[n] - p).abs().max().item() for n, p in single.state_dict().items())
     fsdp.eval()
     with torch.no_grad():
         logits = fsdp(_tokens())
+    logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
     save_hf_checkpoint(fsdp, out, hf_config=read_hf_config(path), max_shard_size=SHARD)
-    return diff, report.read.bytes, report.read.rows, (logits - single(_tokens())).abs().max().item()
+    return report, diff, (logits - single(_tokens())).abs().max().item()
 
 
 def _check_sharded(pool2, tmp_path, family, strategy, vocab=None):
@@ -376,15 +384,8 @@ def tensor_parallel_worker(rank, world, *, path, out, tp):
                                   sequence_parallel=False)
     fsdp = mf.fully_shard_model(model, fsdp_unit_modules=[TransformerBlock], zero_dp_strategy=3,
                                 **dims.wrap_kwargs(mesh, dims.data_parallel_group(mesh)))
-    report = load_hf_checkpoint(fsdp, path)
-    full = mf.get_full_state_dict(fsdp)
-    diff = max((full[n] - p).abs().max().item() for n, p in single.state_dict().items())
-    fsdp.eval()
-    with torch.no_grad():
-        logits = fsdp(_tokens())
-    logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
-    save_hf_checkpoint(fsdp, out, hf_config=read_hf_config(path), max_shard_size=SHARD)
-    return diff, report.read.bytes, (logits - single(_tokens())).abs().max().item()
+    report, diff, logit_diff = _load_compare_export(fsdp, single, path, out)
+    return diff, report.read.bytes, logit_diff
 
 
 def _check_tensor_parallel(pool, tmp_path, tp):
