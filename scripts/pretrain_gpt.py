@@ -259,6 +259,19 @@ def write_iteration_dashboards(args, dash, state: TrainState, result, batch_size
             params_norm=result.params_norm, batch_size=batch_size, skipped_samples=state.skipped_train_samples)
 
 
+def evaluate_and_save(args, ctx: StepContext, state: TrainState, saver: Saver, valid_src, metrics: MetricsRecorder,
+                      dash) -> bool:
+    """The evaluation and the checkpoint due after this iteration; whether either ran."""
+    paused = False
+    if args.eval_iters and state.iteration % args.eval_interval == 0:
+        maybe_evaluate(args, ctx, state, valid_src, metrics, dash)
+        paused = True
+    if args.save and state.iteration % args.save_interval == 0:
+        saver.save(state)
+        paused = True
+    return paused
+
+
 def train(args, ctx: StepContext, state: TrainState, train_src, valid_src, metrics: MetricsRecorder,
           dash) -> tuple[Saver, bool]:
     """Run iterations until the budget (or an exit condition); returns the saver and
@@ -322,14 +335,8 @@ def train(args, ctx: StepContext, state: TrainState, train_src, valid_src, metri
                 if args.log_memory_to_tensorboard:
                     dashboards_mod.write_memory_scalars(dash, snaps[0], state.iteration)
         profiler.after_iteration(state.iteration, logs)
-        paused = False
-        if args.eval_iters and state.iteration % args.eval_interval == 0:
-            maybe_evaluate(args, ctx, state, valid_src, metrics, dash)
-            paused = True
-        if args.save and state.iteration % args.save_interval == 0:
-            saver.save(state)
-            paused = True
-        if paused:  # evaluation and checkpoints are not iteration time
+        if evaluate_and_save(args, ctx, state, saver, valid_src, metrics, dash):
+            # evaluation and checkpoints are not iteration time
             device_mod.synchronize(ctx.device)
             last = time.perf_counter()
         reason = exits.reason(state.iteration)
