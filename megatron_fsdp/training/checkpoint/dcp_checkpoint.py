@@ -199,7 +199,6 @@ class _OneHostCopy:
     stager), so every value exists once on the host while the save is written (before: a
     host copy of everything, then DCP's copy of that copy)."""
 
-    _synchronize_after_execute = False
 
     def __init__(self, live: set[int]) -> None:
         self.live = live
@@ -207,6 +206,7 @@ class _OneHostCopy:
 
     @property
     def should_synchronize_after_execute(self) -> bool:
+        """Read by DCP: nothing to wait for, staging is done when ``stage`` returns."""
         return False
 
     def stage(self, state_dict: dict) -> dict:
