@@ -1,4 +1,5 @@
-"""scripts/pretrain_gpt.py run inside a test process or a pooled gloo rank: the script
+"""The launcher's driver (``megatron_fsdp/training/pretrain_gpt.py``, which
+scripts/pretrain_gpt.py runs) inside a test process or a pooled gloo rank: the driver
 loaded as a module, its ``run`` called on flags parsed as the launcher parses them (no
 torchrun start-up: a second or two per run on a warm pool), and the log lines it wrote
 captured.
@@ -21,7 +22,7 @@ from typing import Optional
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "scripts" / "pretrain_gpt.py"
+SCRIPT = REPO / "megatron_fsdp" / "training" / "pretrain_gpt.py"
 
 
 def load_pretrain_script(name: str = "pretrain_gpt_under_test") -> ModuleType:

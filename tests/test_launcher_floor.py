@@ -24,7 +24,7 @@ def test_data_leaves_import_without_torch():
 
 
 def test_preprocess_data_loads_no_module_by_path():
-    source = (REPO / "scripts" / "preprocess_data.py").read_text() + (
+    source = (REPO / "megatron_fsdp" / "training" / "data" / "preprocess_data.py").read_text() + (
         REPO / "megatron_fsdp" / "training" / "data" / "tokenizers.py").read_text()
     assert "spec_from_file_location" not in source and "sys.modules[" not in source
 

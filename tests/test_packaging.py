@@ -4,6 +4,7 @@ wheel carry (built offline with ``python -m build --no-isolation`` from a copy o
 from __future__ import annotations
 
 import email
+import os
 import shutil
 import subprocess
 import sys
@@ -58,6 +59,18 @@ def test_no_upstream_no_message(tmp_path):
     assert result.returncode == 0 and result.stderr == "", result.stderr
 
 
+COMMANDS = {
+    "megatron-fsdp-pretrain-gpt": "megatron_fsdp.training.pretrain_gpt:main",
+    "megatron-fsdp-preprocess-data": "megatron_fsdp.training.data.preprocess_data:main",
+    "megatron-fsdp-plan": "megatron_fsdp.tools.plan_cli:main",
+    "megatron-fsdp-convert": "megatron_fsdp.convert.cli:main",
+}
+LAUNCH = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
+          "--micro-batch-size 2 --global-batch-size 4 --train-iters 2 --lr 1e-3 --log-interval 1 --eval-iters 0 "
+          "--plot-path none --mock-data --tokenizer-type NullTokenizer --vocab-size 64 --use-megatron-fsdp "
+          "--data-parallel-sharding-strategy optim_grads_params")
+
+
 def _sources(tmp_path: Path) -> Path:
     src = tmp_path / "src"
     src.mkdir()
@@ -92,7 +105,8 @@ def test_the_wheel_carries_the_tables_types_and_license(built):
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
     assert not any(n.startswith(("tests/", "scripts/")) for n in names)
     assert meta["Name"] == "mfsdp" and meta["License-Expression"] == "Apache-2.0"
-    assert "megatron-fsdp-plan = megatron_fsdp.tools.plan_cli:main" in entry_points
+    for command, target in COMMANDS.items():
+        assert f"{command} = {target}" in entry_points, command
     requires = meta.get_all("Requires-Dist")
     assert "torch<2.15,>=2.11" in requires and "numpy>=1.22" in requires
     assert 'transformer-engine[pytorch]; extra == "te"' in requires
@@ -106,3 +120,34 @@ def test_the_sdist_carries_the_sources_and_license(built):
     for expected in ("LICENSE", "pyproject.toml", "setup.py", "megatron_fsdp/py.typed",
                      "megatron_fsdp/training/args/flag_data/megatron_lm_flags.csv"):
         assert expected in names, expected
+
+
+def test_the_installed_commands_run_from_the_wheel(built, tmp_path):
+    """The wheel's console commands, installed away from this checkout: the launcher trains
+    two iterations, the preprocessor writes an indexed dataset, the planner and the converter
+    answer --help."""
+    wheel, _ = built
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--quiet", "--target",
+                    str(target), str(wheel)], check=True, capture_output=True, text=True)
+    env = {**os.environ, "PYTHONPATH": str(target), "OMP_NUM_THREADS": "1"}
+    env.pop("RANK", None), env.pop("WORLD_SIZE", None)
+
+    def command(name: str, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(target / "bin" / name), *args], cwd=tmp_path, env=env, capture_output=True,
+                              text=True, timeout=300)
+
+    where = subprocess.run([sys.executable, "-c", "import megatron_fsdp; print(megatron_fsdp.__file__)"],
+                           cwd=tmp_path, env=env, capture_output=True, text=True, check=True).stdout
+    assert where.startswith(str(target)), where  # the wheel's copy, not this checkout's
+    run = command("megatron-fsdp-pretrain-gpt", *LAUNCH.split())
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert " iteration        2/       2 |" in run.stdout + run.stderr
+    (tmp_path / "corpus.txt").write_text("One small document.\n\nAnother one.\n")
+    prep = command("megatron-fsdp-preprocess-data", "--input", "corpus.txt", "--output-prefix", "corpus",
+                   "--tokenizer-type", "ByteTokenizer", "--workers", "1")
+    assert prep.returncode == 0, prep.stderr[-2000:]
+    assert (tmp_path / "corpus_text_document.bin").stat().st_size > 0
+    for name in ("megatron-fsdp-plan", "megatron-fsdp-convert"):
+        done = command(name, "--help")
+        assert done.returncode == 0 and "usage:" in done.stdout, (name, done.stderr[-2000:])

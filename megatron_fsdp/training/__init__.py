@@ -1,5 +1,6 @@
-"""The launcher behind ``scripts/pretrain_gpt.py`` (Megatron-LM's ``pretrain_gpt.py``, its
-flags, data and checkpoints). It sits above the engine and uses only its public surface
+"""The launcher (Megatron-LM's ``pretrain_gpt.py``, its flags, data and checkpoints): the
+driver ``pretrain_gpt.py`` runs as ``scripts/pretrain_gpt.py``, ``python -m
+megatron_fsdp.training.pretrain_gpt`` and the ``megatron-fsdp-pretrain-gpt`` command. It sits above the engine and uses only its public surface
 (the package root's modules, ``megatron_fsdp.state``, ``megatron_fsdp.comm.device`` and
 ``megatron_fsdp.models``); ``import megatron_fsdp`` never loads it.
 
@@ -13,6 +14,7 @@ Folders, one concern each:
 
 The training loop's own modules:
 
+- ``pretrain_gpt.py``: the driver, read top to bottom: start-up, the loop, saves, evaluation, exit.
 - ``model_setup.py``: build the model and wrap it (Megatron-FSDP, PyTorch DDP or FSDP2),
   build its optimizer.
 - ``torch_fsdp2.py``: ``--use-torch-fsdp2``: PyTorch FSDP2 wrapping as Megatron-LM applies it.

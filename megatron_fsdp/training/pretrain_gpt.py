@@ -1,7 +1,8 @@
-#!/usr/bin/env python3
 """Pretrain a GPT with megatron_fsdp, launched like Megatron-LM's pretrain_gpt.py.
 
     torchrun --nproc-per-node 2 scripts/pretrain_gpt.py --config configs/gpt_tiny_cpu.yaml
+    torchrun --nproc-per-node 2 -m megatron_fsdp.training.pretrain_gpt --config ...   # the same
+    torchrun --nproc-per-node 2 --no-python megatron-fsdp-pretrain-gpt --config ...   # installed command
 
 Flags keep Megatron-LM's names and defaults (``--use-megatron-fsdp``,
 ``--data-parallel-sharding-strategy``, ``--micro-batch-size``, ...); ``--config``
@@ -10,8 +11,9 @@ reads the same flags from YAML and the command line overrides the file. Without
 The default data is the byte-level text corpus in ``data/``; ``--data-path`` reads
 Megatron indexed datasets and ``--mock-data`` Megatron-LM's mock documents.
 
-This file is the driver, read top to bottom; the pieces live in
-``megatron_fsdp/training/``. Mixed precision: ``--bf16`` casts the model before
+This module is the driver, read top to bottom; the pieces live beside it in
+``megatron_fsdp/training/``; ``scripts/pretrain_gpt.py`` (the path Megatron-LM users type)
+runs it. Mixed precision: ``--bf16`` casts the model before
 Megatron-FSDP wraps it (fp32 main weights by default); ``--fp16`` adds dynamic loss
 scaling (or ``--loss-scale`` for a constant one).
 """
@@ -115,8 +117,12 @@ def describe_run(args, device: torch.device, num_parameters: int) -> None:
                               for s in steps.steps))
 
 
-def checkpoint_extra_state(ctx: StepContext, state: TrainState) -> dict:
+def checkpoint_extra_state(args, ctx: StepContext, state: TrainState) -> dict:
+    """What a checkpoint holds besides the weights and the optimizer: progress, schedule,
+    loss scale, RNG, and the run's plain-valued flags (``args``, as Megatron-LM keeps them:
+    ``python -m megatron_fsdp.convert`` reads the architecture from them)."""
     return {
+        "args": torch_checkpoint.plain_args(args),
         "train_state": state.state_dict(),
         "lr_schedule": ctx.schedule.state_dict(),
         "loss_scaler": ctx.scaler.state_dict() if ctx.scaler is not None else None,
@@ -182,7 +188,7 @@ class Saver:
 
     def save(self, state: TrainState) -> None:
         bundle = self.ctx.bundle
-        extra = checkpoint_extra_state(self.ctx, state)
+        extra = checkpoint_extra_state(self.args, self.ctx, state)
         if self.async_saver is not None:
             self.async_saver.save(self.args.save, state.iteration, bundle.model, bundle.optimizer, extra)
         elif torch_checkpoint.CheckpointFormat(self.args.ckpt_format) is torch_checkpoint.CheckpointFormat.TORCH:

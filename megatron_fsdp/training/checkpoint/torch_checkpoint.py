@@ -253,7 +253,7 @@ def save(root: str, iteration: int, model, optimizer, extra_state: dict, args: a
     """Collective: every rank contributes its RNG state (and its shards of the main
     weights and optimizer state on the sharded engine), data-parallel rank 0 writes the
     file(s), then the tracker moves (``publish_checkpoint``). ``extra_state`` is the
-    launcher's (``checkpoint_extra_state`` in scripts/pretrain_gpt.py)."""
+    launcher's (``checkpoint_extra_state`` in ``training/pretrain_gpt.py``)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     engine = engine_of(model)
     form = OptimizerForm.of_run(args) if engine is not None else OptimizerForm.FP32
@@ -365,11 +365,18 @@ def _plain(value: Any) -> bool:
     return type(value) in (list, tuple) and all(_plain(v) for v in value)
 
 
+def plain_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The launcher's plain-valued arguments (the derived objects and enums are rebuilt from
+    the flags), which a ``weights_only`` load reads back: what a checkpoint keeps of the run's
+    flags, so that a converter or a later run knows the architecture."""
+    return {k: v for k, v in vars(args).items() if _plain(v)}
+
+
 def _saved_args(args: argparse.Namespace, train_state: dict) -> argparse.Namespace:
-    """Megatron-LM saves its ``args``; here the plain-valued ones (the derived objects and
-    enums are rebuilt from the flags), so the file loads with ``weights_only``. Megatron-LM
-    resumes its sample counters from these three attributes."""
-    saved = argparse.Namespace(**{k: v for k, v in vars(args).items() if _plain(v)})
+    """Megatron-LM saves its ``args``; here the plain-valued ones (``plain_args``), so the
+    file loads with ``weights_only``. Megatron-LM resumes its sample counters from these
+    three attributes."""
+    saved = argparse.Namespace(**plain_args(args))
     saved.consumed_train_samples = train_state["consumed_train_samples"]
     saved.skipped_train_samples = train_state.get("skipped_train_samples", 0)
     saved.consumed_valid_samples = train_state.get("consumed_valid_samples", 0)

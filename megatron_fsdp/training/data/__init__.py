@@ -25,6 +25,8 @@ Modules, one concern each:
 - ``from_args.py``: ``data_args_problems``, ``build_tokenizer_from_args`` and ``build_datasets``:
   the above from the launcher's parsed flags.
 - ``sources.py``: the launcher's call: the vocabulary size from the tokenizer, then the sources.
+- ``preprocess_data.py``: Megatron-LM's ``tools/preprocess_data.py``: text or JSON lines into an
+  indexed dataset (``scripts/preprocess_data.py``, the ``megatron-fsdp-preprocess-data`` command).
 
 ``build_datasets(args)`` builds the sources: with ``--data-path`` it builds
 Megatron's GPT datasets through the tokenizer flags (see ``build_train_valid_test_datasets``),

@@ -1,7 +1,6 @@
-#!/usr/bin/env python3
 """Tokenize text or JSON lines into a Megatron indexed dataset (``.bin`` + ``.idx``).
 
-    python3 scripts/preprocess_data.py --input data/corpus.txt --output-prefix data/corpus \\
+    megatron-fsdp-preprocess-data --input data/corpus.txt --output-prefix data/corpus \\
         --tokenizer-type GPT2BPETokenizer --vocab-file data/bpe/vocab.json \\
         --merge-file data/bpe/merges.txt --append-eod --workers 1
 
@@ -13,6 +12,9 @@ document is (``paragraph``: blocks separated by blank lines, the default; ``line
 ``--split-sentences`` writes ``{prefix}_{key}_sentence`` with one .idx entry per sentence,
 split by NLTK's punkt when nltk and its data are installed, else by the rule-based splitter
 (``--sentence-splitter``; see megatron_fsdp/training/data/sentences.py).
+
+The same program runs as ``python3 scripts/preprocess_data.py`` (Megatron-LM's path) and
+``python3 -m megatron_fsdp.training.data.preprocess_data``.
 """
 
 from __future__ import annotations
@@ -26,16 +28,11 @@ import os
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-sys.path.insert(0, REPO)  # this checkout's package, installed or not
-
 # Leaf modules only: the package roots load lazily ([Note: lazy package root]), so the
 # workers import the reader/writer and the tokenizers without torch.
-from megatron_fsdp.training.data import indexed as _indexed  # noqa: E402
-from megatron_fsdp.training.data import sentences as _sentences  # noqa: E402
-from megatron_fsdp.training.data import tokenizers as _tokenizers  # noqa: E402
+from megatron_fsdp.training.data import indexed as _indexed
+from megatron_fsdp.training.data import sentences as _sentences
+from megatron_fsdp.training.data import tokenizers as _tokenizers
 
 IndexedDatasetWriter, bin_path, idx_path, optimal_dtype = (
     _indexed.IndexedDatasetWriter, _indexed.bin_path, _indexed.idx_path, _indexed.optimal_dtype)
