@@ -43,7 +43,7 @@ INDEPENDENT = [("models", "experimental"), ("buffers", "compat")]
 LAUNCHER_MAY_IMPORT = (
     "", "fully_shard", "megatron_fsdp", "mcore_fsdp_adapter", "optimizer", "utils", "uneven_dtensor",
     "param_and_grad_buffer", "distributed_data_parallel_config", "parallel_dims", *VOCABULARY,
-    "state", "comm.device", "models", "interop",
+    "state", "comm.device", "models", "interop", "experimental", "mixed_precision",
 )
 """The engine's public surface as the launcher sees it (module paths under the package):
 the root package and its public modules, ``state``'s declared surface (the package, not

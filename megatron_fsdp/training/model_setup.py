@@ -1,6 +1,6 @@
-"""Build the model, wrap it for data parallelism (Megatron-FSDP, PyTorch DDP, or
-PyTorch FSDP2 with ``--use-torch-fsdp2``: torch_fsdp2.py) and build its optimizer,
-from the parsed flags.
+"""Build the model, wrap it for data parallelism (Megatron-FSDP, its per-module version 2
+with ``--megatron-fsdp-version 2``: megatron_fsdp_v2.py, PyTorch DDP, or PyTorch FSDP2 with
+``--use-torch-fsdp2``: torch_fsdp2.py) and build its optimizer, from the parsed flags.
 
 With ``--tensor-model-parallel-size`` > 1 the embedded GPT is split by its tensor-parallel
 plan (``models/tensor_parallel.py``) on the mesh's ``tp`` dimension before Megatron-FSDP
@@ -45,7 +45,7 @@ from megatron_fsdp.models.tensor_parallel import apply_tensor_parallel
 # LogitsGradInBF16 lived here before: importable from here still.
 from megatron_fsdp.models.losses import LogitsGradInBF16, token_cross_entropy  # noqa: F401
 
-from . import torch_fsdp2
+from . import megatron_fsdp_v2, torch_fsdp2
 from .args.arg_types import DataParallelPath, Precision
 from megatron_fsdp.parallel_dims import ParallelDims
 
@@ -232,6 +232,11 @@ def setup_model_and_optimizer(args, device: torch.device) -> ModelBundle:
         model = torch_fsdp2.wrap_torch_fsdp2(module, torch_fsdp2.TorchFSDP2Config.from_args(args), device,
                                              recompute=args.recompute_granularity is not None)
         optimizer = build_optimizer(model, args)  # plain AdamW/SGD on the fp32 shards (DTensors)
+    elif args.dp_path is DataParallelPath.MEGATRON_FSDP_V2:
+        policy = ddp_config_from_args(args).mixed_precision_policy()  # [Note: v2 mixed precision]
+        model = megatron_fsdp_v2.wrap_megatron_fsdp_v2(module, unit_modules, policy, device,
+                                                       None if dtype is torch.float32 else dtype)
+        optimizer = megatron_fsdp_v2.adapt_optimizer(build_optimizer(model, args))
     else:
         if dtype is not torch.float32:
             module = module.to(dtype)

@@ -91,6 +91,8 @@ def describe_run(args, device: torch.device, num_parameters: int) -> None:
     elif args.dp_path is DataParallelPath.TORCH_FSDP2:
         reshard = "" if args.torch_fsdp2_reshard_after_forward else ", no reshard after forward"
         wrapper = f"PyTorch FSDP2 (fully_shard{reshard})"
+    elif args.dp_path is DataParallelPath.MEGATRON_FSDP_V2:
+        wrapper = "Megatron-FSDP v2 (per-module fully_shard, optim_grads_params, plain optimizer)"
     else:
         wrapper = "PyTorch DistributedDataParallel"
     data = "mock data" if args.mock_data else ", ".join(args.data_path or ["data/corpus.txt"])
@@ -416,7 +418,7 @@ def write_outputs(args, metrics: MetricsRecorder) -> None:
     if args.plot_path and metrics.iterations:
         path = {DataParallelPath.MEGATRON_FSDP: f"Megatron-FSDP {args.zero_strategy.label}",
                 DataParallelPath.MEGATRON_DDP: "Megatron-core DDP", DataParallelPath.TORCH_DDP: "DDP",
-                DataParallelPath.TORCH_FSDP2: "FSDP2"}[args.dp_path]
+                DataParallelPath.TORCH_FSDP2: "FSDP2", DataParallelPath.MEGATRON_FSDP_V2: "Megatron-FSDP v2"}[args.dp_path]
         title = f"{path}, {args.world_size} ranks"
         if plot_loss_curve(args.plot_path, metrics.iterations, metrics.lm_loss, metrics.validation, title):
             logger.info("> loss curve written to %s", args.plot_path)

@@ -8,6 +8,6 @@
 - ``validation.py``: the table's verdict on each given flag, Megatron-LM's rules for the values,
   this launcher's limits.
 - ``activation_offload_flags.py``, ``ep_cp_flags.py`` (expert and context parallelism, expert
-  capacity), ``mla_flags.py``, ``mtp_flags.py``, ``muon_flags.py``, ``torch_fsdp2_flags.py``,
-  ``tp_flags.py``: the rules of one feature's flags each, called by ``validation.py``.
+  capacity), ``fsdp_v2_flags.py`` (``--megatron-fsdp-version 2``), ``mla_flags.py``, ``mtp_flags.py``,
+  ``muon_flags.py``, ``torch_fsdp2_flags.py``, ``tp_flags.py``: the rules of one feature's flags each, called by ``validation.py``.
 """

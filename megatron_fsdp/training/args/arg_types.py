@@ -66,6 +66,9 @@ class DataParallelPath(enum.Enum):
     """fp32, no distributed optimizer: PyTorch DDP."""
     TORCH_FSDP2 = "torch-fsdp2"
     """``--use-torch-fsdp2``: PyTorch's FSDP2 (``fully_shard``), fp32 or bf16 (torch_fsdp2.py)."""
+    MEGATRON_FSDP_V2 = "megatron-fsdp-v2"
+    """``--use-megatron-fsdp --megatron-fsdp-version 2``: the per-module API, ZeRO-3, a plain
+    optimizer on the sharded main weights (megatron_fsdp_v2.py)."""
 
 
 BYTE_VOCAB_SIZE = 256

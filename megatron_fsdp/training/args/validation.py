@@ -20,7 +20,8 @@ import re
 from ...comm import device as device_mod
 from ...enums import ShardingStrategy
 from ...models.config import megatron_swiglu_ffn_hidden_size
-from . import activation_offload_flags, ep_cp_flags, mla_flags, mtp_flags, muon_flags, torch_fsdp2_flags, tp_flags
+from . import (activation_offload_flags, ep_cp_flags, fsdp_v2_flags, mla_flags, mtp_flags, muon_flags, torch_fsdp2_flags,
+               tp_flags)
 from .. import determinism
 from ..data import tokenizers
 from .arg_types import BYTE_VOCAB_SIZE, DataParallelPath, LRDecayStyle, Precision, TokenizerType, recompute_granularity
@@ -430,6 +431,7 @@ def _data_parallel(args, data_parallel) -> list[str]:
     if args.use_megatron_fsdp and args.use_torch_fsdp2:  # Megatron-LM: the two are exclusive
         problems.append("--use-megatron-fsdp and --use-torch-fsdp2 are mutually exclusive; keep --use-megatron-fsdp")
     problems += torch_fsdp2_flags.torch_fsdp2_problems(args, os.environ)
+    problems += fsdp_v2_flags.fsdp_v2_problems(args)
     if args.overlap_param_gather:  # Megatron-LM rules
         if not (args.use_distributed_optimizer or args.use_megatron_fsdp):
             problems.append("--overlap-param-gather needs --use-distributed-optimizer or --use-megatron-fsdp")
@@ -665,8 +667,8 @@ def derive_fields(args: argparse.Namespace, world_size: int) -> None:
         raise_problem(f"the warmup ({args.schedule.warmup_steps} {args.schedule.unit}) must end before the decay "
                       f"horizon ({args.schedule.decay_steps} {args.schedule.unit}); shorten the warmup or lengthen "
                       "the decay")
-    if args.use_megatron_fsdp and not args.use_distributed_optimizer:
-        # Megatron-LM turns the distributed optimizer on itself (and warns).
+    if args.use_megatron_fsdp and args.megatron_fsdp_version == 1 and not args.use_distributed_optimizer:
+        # Megatron-LM turns the distributed optimizer on itself for v1 (and warns); v2 refuses it.
         args.use_distributed_optimizer = True
     if args.async_save and not args.use_gloo_process_groups:
         # As Megatron-LM does when its background writer is unavailable: save synchronously
@@ -757,7 +759,7 @@ def _derive_model_fields(args: argparse.Namespace, warnings: list[str]) -> None:
 
 def _data_parallel_path(args) -> DataParallelPath:
     if args.use_megatron_fsdp:
-        return DataParallelPath.MEGATRON_FSDP
+        return DataParallelPath.MEGATRON_FSDP_V2 if args.megatron_fsdp_version == 2 else DataParallelPath.MEGATRON_FSDP
     if args.use_torch_fsdp2:
         return DataParallelPath.TORCH_FSDP2
     # --ddp-average-in-collective picks the collective's op, which PyTorch DDP does not expose.
