@@ -67,3 +67,9 @@ def run_launcher(flags: str, world: int, *, script: Optional[ModuleType] = None,
         root.removeHandler(handler)
         root.setLevel(level)
     return handler.lines
+
+
+def launch_task(rank: int, world: int, *, flags: str) -> list[str]:
+    """A pool task: the launcher on this rank (``run_launcher``); rank 0's lines are what
+    a torchrun run prints."""
+    return run_launcher(flags, world)

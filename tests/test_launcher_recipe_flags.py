@@ -14,7 +14,8 @@ import torch
 
 from megatron_fsdp.training.args.arg_types import ArgumentError, DataParallelPath
 from megatron_fsdp.training.args.arguments import parse_args
-from test_pretrain_script import TINY, load_metrics, run_ok
+from launcher_inprocess import launch_task
+from test_pretrain_script import TINY, load_metrics
 
 BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
         "--micro-batch-size 2 --global-batch-size 8 --train-iters 3 --lr 3e-3 --adam-eps 1e-4 "
@@ -57,14 +58,15 @@ def test_average_in_collective_trains_the_same(pool2, extra):
                                                      DataParallelPath.MEGATRON_DDP.value)
 
 
-def test_save_retain_interval_keeps_multiples_and_the_newest(tmp_path):
+def test_save_retain_interval_keeps_multiples_and_the_newest(pool2, tmp_path):
     """Megatron-LM's rule: after each save the previous checkpoint goes unless its
     iteration is a multiple of the interval; the newest always stays."""
     for name, extra in (("sync", []), ("async", ["--async-save"])):
         root = tmp_path / name
         args = [a if a != "20" else "10" for a in TINY]  # --train-iters 10
-        run_ok(args + ["--save", str(root), "--save-interval", "2", "--save-retain-interval", "4",
-                       "--log-json", str(tmp_path / f"{name}.json"), "--plot-path", "none", *extra])
+        pool2.run(launch_task, flags=shlex.join(args + [
+            "--save", str(root), "--save-interval", "2", "--save-retain-interval", "4",
+            "--log-json", str(tmp_path / f"{name}.json"), "--plot-path", "none", *extra]))
         kept = sorted(p.name for p in root.iterdir() if p.name.startswith("iter_"))
         assert kept == ["iter_0000004", "iter_0000008", "iter_0000010"], (name, kept)
         assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == "10"
@@ -122,15 +124,10 @@ def _without(argv: list[str], *flags: str) -> list[str]:
     pytest.param("no_shard", marks=pytest.mark.skipif(not os.environ.get("MFSDP_LAUNCHER_LONG"),
                                                       reason="the same path as optim; MFSDP_LAUNCHER_LONG=1")),
     "optim"])
-def test_moe_with_hsdp_equals_ddp_every_iteration(tmp_path, outer):
+def test_moe_with_hsdp_equals_ddp_every_iteration(pool4, tmp_path, outer):
     """MoE with --num-distributed-optimizer-instances 2 (HSDP / HFSDP over 4 ranks; it
     was refused): the expert parameters get a mesh laid out as the dense one, and every
     iteration's loss equals PyTorch DDP's within 1e-5 (fp32, AdamW eps 1e-4)."""
-    import subprocess
-    import sys
-
-    from test_pretrain_script import SCRIPT, _env
-
     moe = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "48",
            "--moe-aux-loss-coeff", "1e-2", "--global-batch-size", "16", "--train-iters", "6",
            "--eval-iters", "0", "--plot-path", "none"]
@@ -139,10 +136,7 @@ def test_moe_with_hsdp_equals_ddp_every_iteration(tmp_path, outer):
             "optim_grads_params", "--num-distributed-optimizer-instances", "2", "--outer-dp-sharding-strategy", outer]
     logs = {}
     for name, extra in (("ddp", []), ("hsdp", hsdp)):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(SCRIPT),
-               *tiny, *moe, *extra, "--log-json", str(tmp_path / f"{name}.json")]
-        proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=240)
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        pool4.run(launch_task, flags=shlex.join([*tiny, *moe, *extra, "--log-json", str(tmp_path / f"{name}.json")]))
         logs[name] = load_metrics(tmp_path / f"{name}.json")
     a, b = logs["hsdp"], logs["ddp"]
     assert a["iterations"] == b["iterations"] == list(range(1, 7))

@@ -10,6 +10,9 @@ dashboard flags.
   weights at iteration 0; ``--no-load-optim`` resumes progress without optimizer state.
 * ``--exit-signal-handler`` / ``--exit-duration-in-mins``: every rank stops together.
 * ``--wandb-project`` logs through the wandb package (a recording stand-in here).
+
+The GPT-3 command and the W&B run go through torchrun and scripts/pretrain_gpt.py (the
+path users launch); the others run the same driver in the shared gloo pool.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ import types
 from pathlib import Path
 
 import pytest
+
+from launcher_inprocess import launch_task
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "pretrain_gpt.py"
@@ -58,6 +63,11 @@ def torchrun(args: list[str], env_extra: dict | None = None, timeout: int = 240)
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(args)}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc
+
+
+def launch(pool, args: list[str]) -> str:
+    """The same run in the shared gloo pool (no torchrun start-up): rank 0's log lines."""
+    return "\n".join(pool.run(launch_task, flags=shlex.join(args))[0])
 
 
 def metrics(path: Path) -> dict:
@@ -127,42 +137,42 @@ MOE = " --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 48 --moe-aux-l
     pytest.param("llama3_moe", marks=pytest.mark.skipif(not os.environ.get("MFSDP_LAUNCHER_LONG"), reason=(
         "MoE through the launcher is run by test_launcher_ep_cp.py and test_launcher_recipe_flags.py; "
         "MFSDP_LAUNCHER_LONG=1")))])
-def test_llama3_style_command_fsdp_equals_ddp_every_iteration(tmp_path, family, data_flags):
+def test_llama3_style_command_fsdp_equals_ddp_every_iteration(pool2, tmp_path, family, data_flags):
     # --use-mcore-models needs CUDA; on CPU the same command trains the embedded model.
     base = LLAMA3_STYLE.replace("--use-mcore-models", "") + (MOE if family == "llama3_moe" else "")
     ddp, fsdp = tmp_path / "ddp.json", tmp_path / "fsdp.json"
-    torchrun(shlex.split(base) + data_flags + ["--log-json", str(ddp)])
+    launch(pool2, shlex.split(base) + data_flags + ["--log-json", str(ddp)])
     # Megatron-FSDP with activation recomputation against DDP without it.
     recompute = RECOMPUTE["selective" if family == "llama3_moe" else "block"]
-    proc = torchrun(shlex.split(base + LLAMA3_FSDP + recompute) + data_flags + ["--log-json", str(fsdp)])
-    assert "WARNING: --apply-layernorm-1p" not in proc.stdout  # zero-centred norms are used now
+    stdout = launch(pool2, shlex.split(base + LLAMA3_FSDP + recompute) + data_flags + ["--log-json", str(fsdp)])
+    assert "WARNING: --apply-layernorm-1p" not in stdout  # zero-centred norms are used now
     a, b = metrics(fsdp), metrics(ddp)
     assert a["iterations"] == b["iterations"] == list(range(1, 13))
     for it, x, y in zip(a["iterations"], a["lm_loss"], b["lm_loss"]):
         assert abs(x - y) <= 1e-5, f"iteration {it}: Megatron-FSDP {x} vs DDP {y}"
     assert sum(a["lm_loss"][-3:]) / 3 < sum(a["lm_loss"][:3]) / 3 - 0.3, a["lm_loss"]
     if family == "llama3_moe":  # Megatron-LM's MoE log: the balancing loss (no coefficient), DP-averaged
-        assert "| load_balancing_loss: " in proc.stdout
+        assert "| load_balancing_loss: " in stdout
         assert len(a["load_balancing_loss"]) == 12 and all(0.5 < v < 4 for v in a["load_balancing_loss"])
         for x, y in zip(a["load_balancing_loss"], b["load_balancing_loss"]):
             assert abs(x - y) <= 1e-4
 
 
-def test_async_save_then_finetune_and_no_load_optim(tmp_path):
+def test_async_save_then_finetune_and_no_load_optim(pool2, tmp_path):
     ckpt = tmp_path / "ckpt"
     base = shlex.split(GPT3_STYLE + FSDP_FLAGS)
     first = tmp_path / "first.json"
-    proc = torchrun(base + ["--train-iters", "8", "--lr-decay-iters", "8", "--save", str(ckpt),
+    stdout = launch(pool2, base + ["--train-iters", "8", "--lr-decay-iters", "8", "--save", str(ckpt),
                             "--save-interval", "4", "--async-save", "--log-json", str(first)])
-    assert "successfully saved checkpoint from iteration       8" in proc.stdout
+    assert "successfully saved checkpoint from iteration       8" in stdout
     assert sorted(p.name for p in ckpt.iterdir()) == ["iter_0000004", "iter_0000008",
                                                       "latest_checkpointed_iteration.txt"]
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "8"
 
     tuned = tmp_path / "tuned.json"
-    proc = torchrun(base + ["--train-iters", "2", "--lr-decay-iters", "2", "--lr-warmup-fraction", "0",
+    stdout = launch(pool2, base + ["--train-iters", "2", "--lr-decay-iters", "2", "--lr-warmup-fraction", "0",
                             "--load", str(ckpt), "--finetune", "--log-json", str(tuned)])
-    assert "--finetune: loaded the weights only" in proc.stdout
+    assert "--finetune: loaded the weights only" in stdout
     tuned_metrics = metrics(tuned)
     assert tuned_metrics["iterations"] == [1, 2]  # progress restarts
     # The weights were loaded: the first loss is that of the trained model, not of a fresh one.
@@ -172,9 +182,9 @@ def test_async_save_then_finetune_and_no_load_optim(tmp_path):
     # --no-load-optim: as in Megatron-LM, which loads the schedule and loss scale with the optimizer,
     # all three start fresh (a longer schedule than the checkpoint's needs no override flag), while
     # the iteration count goes on: iteration 5 runs at the restarted warmup's first LR, 0.
-    proc = torchrun(base + ["--train-iters", "10", "--lr-decay-iters", "10", "--load", str(ckpt), "--ckpt-step", "4",
+    stdout = launch(pool2, base + ["--train-iters", "10", "--lr-decay-iters", "10", "--load", str(ckpt), "--ckpt-step", "4",
                             "--no-load-optim", "--log-json", str(resumed)])
-    assert "resuming at iteration 4" in proc.stdout and "--no-load-optim: optimizer, learning-rate" in proc.stdout
+    assert "resuming at iteration 4" in stdout and "--no-load-optim: optimizer, learning-rate" in stdout
     assert metrics(resumed)["iterations"] == list(range(5, 11))
     assert metrics(resumed)["learning_rate"][0] == 0.0 and metrics(resumed)["learning_rate"][1] > 0
 
