@@ -1,4 +1,5 @@
-"""End-to-end tests of scripts/pretrain_gpt.py: 2-rank torchrun runs on CPU/gloo.
+"""End-to-end tests of scripts/pretrain_gpt.py: 2-rank runs on CPU/gloo (through torchrun
+where the launch itself is under test, else the same driver in the shared gloo pool).
 
 * DDP and Megatron-FSDP (each of the four strategies) train the same tiny GPT on the
   same deterministic global batches: the loss falls and every iteration's loss of
@@ -16,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from launcher_inprocess import launch_task, pretrain_script
 from megatron_fsdp.comm import device as device_mod
 from megatron_fsdp.training.args.arguments import ArgumentError, LRDecayStyle, parse_args
 from megatron_fsdp.training.data import BatchLayout, TextDataset
@@ -31,9 +34,11 @@ from megatron_fsdp.training.optim.lr_schedule import LRSchedule
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "pretrain_gpt.py"
 LONG = bool(os.environ.get("MFSDP_LAUNCHER_LONG"))
-STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"] if LONG else ["no_shard", "optim_grads_params"]
-"""Each strategy is a torchrun of its own; by default the two ends (the in-process launcher tests
-run every strategy against DDP), all four with MFSDP_LAUNCHER_LONG=1."""
+STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"] if LONG else ["optim_grads_params"]
+"""Each strategy is a run of its own; by default ZeRO-3 alone (the in-process launcher tests run
+every strategy against DDP), all four with MFSDP_LAUNCHER_LONG=1. The ZeRO-3 run goes through
+torchrun and this script's path, as users launch it; the others run the same driver in the
+shared gloo pool (no torchrun start-up)."""
 TINY = [
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
     "--seq-length", "32", "--max-position-embeddings", "32",
@@ -66,29 +71,37 @@ def run_ok(args: list[str]) -> subprocess.CompletedProcess:
     return proc
 
 
+def run_in_pool(pool, args: list[str]) -> str:
+    """The run in the shared gloo pool: rank 0's log lines, as torchrun's output holds them."""
+    return "\n".join(pool.run(launch_task, flags=shlex.join(args))[0])
+
+
 def load_metrics(path: Path) -> dict:
     with open(path) as f:
         return json.load(f)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict:
+def runs(tmp_path_factory, pool2) -> dict:
     """The DDP reference and one run per Megatron-FSDP strategy: {name: (metrics, stdout, extra)}.
     The optim_grads_params run also saves checkpoints at iterations 10 and 20."""
     out = tmp_path_factory.mktemp("pretrain_runs")
     results = {}
-    proc = run_ok(TINY + ["--log-json", str(out / "ddp.json"), "--plot-path", str(out / "ddp.png")])
-    results["ddp"] = (load_metrics(out / "ddp.json"), proc.stdout, out / "ddp.png")
+    stdout = run_in_pool(pool2, TINY + ["--log-json", str(out / "ddp.json"), "--plot-path", str(out / "ddp.png")])
+    results["ddp"] = (load_metrics(out / "ddp.json"), stdout, out / "ddp.png")
     for strategy in STRATEGIES:
         path = out / f"{strategy}.json"
-        save = ["--save", str(out / "ckpt"), "--save-interval", "10"] if strategy == "optim_grads_params" else []
-        proc = run_ok(TINY + FSDP + ["--data-parallel-sharding-strategy", strategy,
-                                     "--log-json", str(path), "--plot-path", "none", *save])
-        results[strategy] = (load_metrics(path), proc.stdout, out / "ckpt" if save else None)
+        args = TINY + FSDP + ["--data-parallel-sharding-strategy", strategy, "--log-json", str(path), "--plot-path",
+                              "none"]
+        if strategy == "optim_grads_params":
+            stdout = run_ok(args + ["--save", str(out / "ckpt"), "--save-interval", "10"]).stdout
+        else:
+            stdout = run_in_pool(pool2, args)
+        results[strategy] = (load_metrics(path), stdout, out / "ckpt" if strategy == "optim_grads_params" else None)
     # Megatron-LM's most common launch: DDP + distributed optimizer, no FSDP flag.
-    proc = run_ok(TINY + ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
-                          "--log-json", str(out / "ddp_distopt.json"), "--plot-path", "none"])
-    results["ddp_distopt"] = (load_metrics(out / "ddp_distopt.json"), proc.stdout, None)
+    stdout = run_in_pool(pool2, TINY + ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+                                        "--log-json", str(out / "ddp_distopt.json"), "--plot-path", "none"])
+    results["ddp_distopt"] = (load_metrics(out / "ddp_distopt.json"), stdout, None)
     return results
 
 
@@ -157,12 +170,12 @@ def test_checkpoints_follow_megatron_layout(runs):
     assert "successfully saved checkpoint from iteration      10" in stdout
 
 
-def test_resume_reproduces_uninterrupted_run(runs, tmp_path):
+def test_resume_reproduces_uninterrupted_run(runs, pool2, tmp_path):
     reference, _, ckpt = runs["optim_grads_params"]
-    # A fresh process picks the run up at its iteration-10 checkpoint and trains to 20.
-    proc = run_ok(TINY + FSDP + ["--plot-path", "none", "--load", str(ckpt), "--ckpt-step", "10",
-                                 "--log-json", str(tmp_path / "resumed.json")])
-    assert "resuming at iteration 10, 80 samples consumed" in proc.stdout
+    # A new run picks the torchrun run up at its iteration-10 checkpoint and trains to 20.
+    stdout = run_in_pool(pool2, TINY + FSDP + ["--plot-path", "none", "--load", str(ckpt), "--ckpt-step", "10",
+                                               "--log-json", str(tmp_path / "resumed.json")])
+    assert "resuming at iteration 10, 80 samples consumed" in stdout
     resumed = load_metrics(tmp_path / "resumed.json")
     assert resumed["iterations"] == list(range(11, 21))
     for it, a, b in zip(range(11, 21), resumed["lm_loss"], reference["lm_loss"][10:]):
@@ -174,11 +187,16 @@ def test_resume_reproduces_uninterrupted_run(runs, tmp_path):
 
 
 # -- bad flags ----------------------------------------------------------------------
-def run_script_directly(args: list[str]) -> subprocess.CompletedProcess:
-    # Validation happens before torch.distributed starts, so no torchrun is needed.
-    env = dict(_env(), WORLD_SIZE="2")
-    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=60)
+def run_main_directly(args: list[str], monkeypatch, capsys) -> tuple[int, str]:
+    """The driver's ``main`` in this process, as ``python scripts/pretrain_gpt.py`` runs it for
+    rank 0 of 2: validation refuses before torch.distributed starts. (exit code, stderr)."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    try:
+        code = pretrain_script().main(args)
+    except SystemExit as exc:  # argparse's own refusals
+        code = exc.code
+    return code, capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -190,19 +208,19 @@ def run_script_directly(args: list[str]) -> subprocess.CompletedProcess:
     ],
     ids=["unknown-flag", "conflicting-flags", "invalid-strategy"],
 )
-def test_bad_flags_exit_with_clear_message(extra, message):
-    proc = run_script_directly(TINY + extra)
-    assert proc.returncode != 0
-    assert message in proc.stderr, proc.stderr
+def test_bad_flags_exit_with_clear_message(extra, message, monkeypatch, capsys):
+    code, stderr = run_main_directly(TINY + extra, monkeypatch, capsys)
+    assert code not in (0, None)
+    assert message in stderr, stderr
 
 
-def test_unknown_yaml_key_exits_with_clear_message(tmp_path):
+def test_unknown_yaml_key_exits_with_clear_message(tmp_path, monkeypatch, capsys):
     config = tmp_path / "bad.yaml"
     config.write_text("num-layers: 2\ndata_paralel_sharding_strategy: optim\n")
-    proc = run_script_directly(TINY + ["--config", str(config)])
-    assert proc.returncode != 0
+    code, stderr = run_main_directly(TINY + ["--config", str(config)], monkeypatch, capsys)
+    assert code not in (0, None)
     assert "unknown key 'data_paralel_sharding_strategy' (did you mean 'data-parallel-sharding-strategy'?)" \
-        in proc.stderr
+        in stderr
 
 
 def _parse(extra: list[str], world_size: int = 2):
@@ -294,7 +312,7 @@ def test_lr_schedule_warms_up_then_decays_to_min(style):
                                               else expected)
 
 
-def test_gradient_health_stops_or_skips_divergent_iterations():
+def test_gradient_health_stops_or_skips_divergent_iterations(pool2):
     """A divergent run (absurd learning rate): with --check-for-nan-in-loss-and-grad
     it stops with a clear error, as Megatron-LM does; without, the bad iterations are
     skipped and counted in the iteration line."""
@@ -304,6 +322,6 @@ def test_gradient_health_stops_or_skips_divergent_iterations():
     assert checked.returncode != 0
     assert re.search(r"(NaN|nan|inf)", checked.stdout + checked.stderr)
     assert "--no-check-for-nan-in-loss-and-grad" in checked.stdout + checked.stderr
-    unchecked = run_ok(diverge + ["--no-check-for-nan-in-loss-and-grad"])
-    counts = [int(n) for n in re.findall(r"number of nan iterations: +(\d+)", unchecked.stdout + unchecked.stderr)]
-    assert counts and max(counts) > 0, unchecked.stdout[-2000:]
+    unchecked = run_in_pool(pool2, diverge + ["--no-check-for-nan-in-loss-and-grad"])
+    counts = [int(n) for n in re.findall(r"number of nan iterations: +(\d+)", unchecked)]
+    assert counts and max(counts) > 0, unchecked[-2000:]
