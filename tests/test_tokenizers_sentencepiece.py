@@ -16,11 +16,14 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from launcher_inprocess import launch_task
 
 spm = pytest.importorskip("sentencepiece")
 
@@ -154,7 +157,7 @@ def _env() -> dict:
     pytest.param("GPTSentencePieceTokenizer", marks=pytest.mark.skipif(
         not os.environ.get("MFSDP_LAUNCHER_LONG"), reason="Llama2Tokenizer runs the same path; MFSDP_LAUNCHER_LONG=1")),
     "Llama2Tokenizer"])
-def test_preprocess_and_train_with_sentencepiece(kind, model, sp, tmp_path):
+def test_preprocess_and_train_with_sentencepiece(kind, model, sp, tmp_path, pool2):
     docs = [" ".join(LINES[i:i + 4]) for i in range(0, 120, 4)]
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs), encoding="utf-8")
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "preprocess_data.py"), "--input",
@@ -175,11 +178,8 @@ def test_preprocess_and_train_with_sentencepiece(kind, model, sp, tmp_path):
              "--eval-interval", "6", "--eval-iters", "1", "--split", "949,50,1", "--plot-path", "none",
              "--data-path", prefix, "--data-cache-path", str(tmp_path / "cache"), "--tokenizer-type", kind,
              "--tokenizer-model", model, "--log-json", str(tmp_path / "m.json")]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(REPO / "scripts" / "pretrain_gpt.py"), *flags]
-    run = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, f"{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
-    assert f"({kind})" in run.stdout
+    lines = pool2.run(launch_task, flags=shlex.join(flags))[0]  # the launcher in the shared gloo pool
+    assert any(f"({kind})" in line for line in lines)
     loss = json.loads((tmp_path / "m.json").read_text())["lm_loss"]
     # Untrained, the loss is ln(vocab): ln 256 = 5.55 for the 200 pieces padded to 128's multiple.
     assert abs(loss[0] - math.log(256)) < 0.1, loss[0]
