@@ -15,11 +15,8 @@
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
+import shlex
 from pathlib import Path
 
 import pytest
@@ -29,7 +26,6 @@ from megatron_fsdp.training.optim.lr_schedule import LRSchedule
 from megatron_fsdp.training.microbatches import BatchRampup, BatchSchedule
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "scripts" / "pretrain_gpt.py"
 
 # (global batch, micro batch, data-parallel size, (start, increment, ramp samples), decrease if needed)
 SETTINGS = {
@@ -190,30 +186,27 @@ LINE = re.compile(r"iteration\s+(\d+)/\s*(\d+) \| consumed samples:\s+(\d+) \|.*
                   r"global batch size:\s+(\d+) \| lm loss: (\S+) \|")
 
 
-def _torchrun(extra: list[str]) -> list[tuple[int, int, int, float, int, float]]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="")
-    env.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(SCRIPT),
-           *RUN, *extra]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = [(int(m[1]), int(m[2]), int(m[3]), float(m[4]), int(m[5]), float(m[6]))
-            for m in LINE.finditer(proc.stdout + proc.stderr)]
-    assert rows, proc.stdout[-2000:] + proc.stderr[-2000:]
+def _run(pool, extra: list[str]) -> list[tuple[int, int, int, float, int, float]]:
+    """A 2-rank launcher run in the shared gloo pool: its iteration lines, parsed."""
+    from launcher_inprocess import launch_task
+
+    output = "\n".join(pool.run(launch_task, flags=shlex.join([*RUN, *extra]))[0])
+    rows = [(int(m[1]), int(m[2]), int(m[3]), float(m[4]), int(m[5]), float(m[6])) for m in LINE.finditer(output)]
+    assert rows, output[-2000:]
     return rows
 
 
-def test_cpu_run_ramps_the_batch_and_resumes_mid_ramp(tmp_path):
-    full = _torchrun([])
+def test_cpu_run_ramps_the_batch_and_resumes_mid_ramp(pool2, tmp_path):
+    full = _run(pool2, [])
     assert [r[0] for r in full] == list(range(1, 10)) and {r[1] for r in full} == {9}
     assert [r[4] for r in full] == [2, 2, 4, 6, 8, 8, 8, 8, 8]  # the logged global batch ramps
     assert [r[2] for r in full] == [2, 4, 8, 14, 22, 30, 38, 46, 54]  # consumed samples follow it
     # Stop after iteration 3 (mid-ramp); Megatron-LM also saves where the micro batch count changes.
     ckpt = tmp_path / "ckpt"
-    first = _torchrun(["--save", str(ckpt), "--save-interval", "100", "--exit-interval", "3"])
+    first = _run(pool2, ["--save", str(ckpt), "--save-interval", "100", "--exit-interval", "3"])
     assert first == full[:3]
     assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("iter_")) == ["iter_0000002", "iter_0000003"]
-    resumed = _torchrun(["--load", str(ckpt)])
+    resumed = _run(pool2, ["--load", str(ckpt)])
     assert [r[:3] + r[4:5] for r in resumed] == [r[:3] + r[4:5] for r in full[3:]]  # same batches, same samples
     for ours, theirs in zip(resumed, full[3:]):
         assert ours[3] == pytest.approx(theirs[3], rel=1e-6)  # learning rate
