@@ -46,12 +46,14 @@ from typing import Any
 
 import pytest
 
+
 pytest.importorskip("megatron.core")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import conftest  # noqa: E402
+from grids import grid  # noqa: E402
 import megatron_fsdp as mf  # noqa: E402
 from mcore_cpu_shim import cpu_shim, hierarchical_groups_without_einops  # noqa: E402
 from megatron_fsdp.mcore_fsdp_adapter import FullyShardedDataParallel, build_dist_index  # noqa: E402
@@ -420,7 +422,7 @@ def assert_parity(results, *, ep: int, world: int, instances: int = 1) -> None:
 BOTH = dict(sgd=dict(opt="sgd"), adamw_avg=dict(opt="adamw", average_in_collective=True, pg_collection=True))
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", grid(STRATEGIES, ("optim", "optim_grads_params"), "MFSDP_EPCP_LONG"))
 def test_ep2_world4_matches_megatron_ddp_and_one_process(pool4, strategy):
     """EP 2 at world 4: expert data-parallel groups of 2, dense data parallelism over 4."""
     cases = [Case(strategy=strategy, **kw) for kw in BOTH.values()]

@@ -31,6 +31,7 @@ from typing import Any
 
 import pytest
 
+
 pytest.importorskip("megatron.core")
 
 import torch  # noqa: E402
@@ -40,6 +41,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 import conftest  # noqa: E402
+from grids import STRATEGY_ENDS, grid  # noqa: E402
 import megatron_fsdp as mf  # noqa: E402
 from mcore_cpu_shim import cpu_shim  # noqa: E402
 from megatron_fsdp.compat import megatron_core as mcore  # noqa: E402
@@ -451,13 +453,14 @@ ADAPTER_CASES = [
 ]
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+# The engine's TP tests (test_tensor_parallel.py) run every strategy; here the adapter at both ends.
+@pytest.mark.parametrize("strategy", grid(STRATEGIES, STRATEGY_ENDS, "MFSDP_TP_LONG"))
 def test_adapter_dp2_tp2_equals_one_process(pool4, strategy):
     cases = [Case(strategy=strategy, **c) for c in ADAPTER_CASES]
     _assert_exact(pool4.run(parity_worker, cases=cases))
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", grid(STRATEGIES, STRATEGY_ENDS, "MFSDP_TP_LONG"))
 def test_fully_shard_model_dp2_tp2_equals_one_process(pool4, strategy):
     cases = [Case(entry="fully_shard_model", strategy=strategy, opt="sgd", sp=True, sync="finalize", clip=0.05),
              Case(entry="fully_shard_model", strategy=strategy, opt="adamw", sp=True, sync="finish")]

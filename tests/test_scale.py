@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 from bench_lib.config import Family, ImplSpec  # noqa: E402
 from bench_lib.theory import ElementSizes, ParamCounts, expected_memory, min_comm_bytes  # noqa: E402
+from grids import grid  # noqa: E402
 from megatron_fsdp.enums import ShardingStrategy  # noqa: E402
 from megatron_fsdp.tools.plan import PlanRequest, make_plan  # noqa: E402
 
@@ -39,7 +40,8 @@ def run_plan(*args: str, timeout: float = 600) -> list[dict]:
 
 @pytest.mark.parametrize(
     "world,dtype,steps",
-    [(8, "fp32", "3"), (64, "bf16", "3"), (1024, "fp32", "3"), (1024, "bf16", "0")],
+    grid([(8, "fp32", "3"), (64, "bf16", "3"), (1024, "fp32", "3"), (1024, "bf16", "0")],
+         [(8, "fp32", "3"), (1024, "bf16", "0")]),
     ids=["w8-fp32-steps", "w64-bf16-steps", "w1024-fp32-steps", "w1024-bf16-engine-plan"],
 )
 def test_fake_group_build_equals_plan(world, dtype, steps):

@@ -6,11 +6,13 @@ from __future__ import annotations
 import re
 
 import pytest
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from grids import grid
 import megatron_fsdp as mf
 from megatron_fsdp.comm.distributed_index import build_hybrid_mesh
 from models import Block, add_decay_into_grads, backward_microbatches, loss_fn, make_batches, make_model, make_optimizer, max_param_diff, train_reference
@@ -55,7 +57,7 @@ def hybrid_parity_worker(rank, world, *, strategy, outer, optimizer):
     return max_param_diff(mf.get_full_state_dict(model), reference), state_bytes, optimizer_numel
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize("optimizer", grid(["sgd", "adamw"], ("adamw",)))  # AdamW amplifies a wrong gradient most
 @pytest.mark.parametrize(
     "strategy,outer",
     [("optim_grads_params", "no_shard"), ("optim_grads_params", "optim"), ("optim_grads", "no_shard"),

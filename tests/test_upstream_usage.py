@@ -21,6 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
+from grids import grid
 import megatron_fsdp as mf
 from megatron_fsdp import MixedPrecisionPolicy, fully_shard, fully_shard_model, fully_shard_optimizer
 from megatron_fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
@@ -373,7 +374,7 @@ def dcp_recipe_worker(rank, world, *, strategy, path):
     return all(torch.equal(resumed[k], uninterrupted[k]) for k in uninterrupted)
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", grid(STRATEGIES, ("optim", "optim_grads_params")))
 def test_upstream_dcp_recipe_resumes_bit_equal(pool, tmp_path, strategy):
     assert all(pool.run(dcp_recipe_worker, strategy=strategy, path=str(tmp_path / "ckpt")))
 
