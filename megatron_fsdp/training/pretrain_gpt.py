@@ -144,11 +144,14 @@ def restore(args, ctx: StepContext, state: TrainState) -> None:
         extra = torch_checkpoint.load(args.load, ctx.bundle.model, optimizer, step=args.ckpt_step,
                                       finetune=args.finetune)
     else:
+        if optimizer is not None and not checkpointing.holds_optimizer_state(args.load, args.ckpt_step):
+            optimizer = None  # a weights-only checkpoint (converted): read as --finetune reads one
         extra = checkpointing.load(args.load, ctx.bundle.model, optimizer, step=args.ckpt_step)
     if not extra:
         return
-    if args.finetune:
-        logger.info("> --finetune: loaded the weights only; iteration, schedule and optimizer start fresh")
+    if args.finetune or "train_state" not in extra:
+        logger.info("> %s: loaded the weights only; iteration, schedule and optimizer start fresh",
+                    "--finetune" if args.finetune else "a weights-only checkpoint (python -m megatron_fsdp.convert)")
         return
     state.load_state_dict(extra["train_state"])
     if args.no_load_optim:

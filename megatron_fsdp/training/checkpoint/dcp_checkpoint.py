@@ -243,6 +243,18 @@ def _live_storages(model, optimizer) -> set[int]:
     return {(t.to_local() if hasattr(t, "to_local") else t).untyped_storage().data_ptr() for t in tensors}
 
 
+def holds_optimizer_state(root: str, step: Optional[int] = None) -> bool:
+    """Whether the checkpoint of iteration ``step`` (default: the tracker's) holds optimizer
+    state: a weights-only one (``python -m megatron_fsdp.convert``'s) does not. False when
+    ``root`` names no checkpoint."""
+    iteration = read_tracker(root) if step is None else step
+    directory = checkpoint_dir(root, iteration) if iteration is not None else None
+    if directory is None or not os.path.isfile(os.path.join(directory, ".metadata")):
+        return False
+    keys = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
+    return any(key.startswith("optimizer") for key in keys)
+
+
 def load(root: str, model, optimizer, step: Optional[int] = None) -> Optional[dict]:
     """Load the checkpoint of iteration ``step`` (default: the tracker's) into
     ``model``/``optimizer`` (None: skip the optimizer) and return its extra state;

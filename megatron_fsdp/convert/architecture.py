@@ -1,0 +1,145 @@
+"""The model a checkpoint holds: its ``GPTConfig`` (and Hugging Face family), read from the
+checkpoint itself.
+
+- ``hf``: ``config.json`` (``gpt_config_from_hf``).
+- ``torch_dist``: the configuration ``save_torch_dist`` keeps in ``common.pt``.
+- ``fsdp_dtensor`` / ``torch``: the configuration the converter keeps there (``CONFIG_KEY``, as in
+  ``common.pt``), else the launcher's flags the checkpoint keeps (``args``: the plain-valued ones in
+  ``extra_state_rank0.pt``, Megatron-LM's ``args`` in ``model_optim_rng.pt``), through the
+  launcher's own ``gpt_config_from_args``.
+
+A checkpoint without any of these (one Megatron-LM wrote in ``torch_dist``, or an older one)
+takes the launcher's model flags instead (``--model-flags``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import enum
+import os
+import shlex
+from typing import Any, Optional
+
+import torch
+
+from megatron_fsdp.interop.hf_config import HFFamily, gpt_config_from_hf, read_hf_config
+from megatron_fsdp.interop.torch_dist import CONFIG_KEY
+from megatron_fsdp.interop.torch_dist_io import common_state
+from megatron_fsdp.models.gpt import GPTConfig, PositionEmbeddingType
+from megatron_fsdp.state import EXTRA_STATE_FILE
+from megatron_fsdp.training.args.arguments import parse_args
+from megatron_fsdp.training.checkpoint.torch_checkpoint import model_file
+from megatron_fsdp.training.model_setup import gpt_config_from_args
+
+from .formats import CheckpointFormat, Located
+
+__all__ = ["ArchitectureError", "Source", "infer_family", "plain_config", "read_source"]
+
+
+class ArchitectureError(ValueError):
+    """The checkpoint does not say which model it holds, or no Hugging Face family fits it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """What was read about the input checkpoint's model."""
+
+    config: GPTConfig
+    family: Optional[HFFamily]
+    """The Hugging Face family (``hf`` input), else None (``infer_family`` picks one for ``hf`` output)."""
+    hf_config: Optional[dict]
+    """The input's ``config.json`` (its other fields are kept when writing ``hf``)."""
+    args: dict[str, Any]
+    """Plain-valued launcher flags describing the model (kept in the Megatron-style outputs)."""
+
+
+def _from_flags(flags: str) -> tuple[GPTConfig, dict[str, Any]]:
+    """The launcher's model flags (a data source is needed to parse: mock data stands in)."""
+    argv = shlex.split(flags)
+    if "--vocab-size" not in argv and "--mock-data" not in argv:
+        raise ArchitectureError("--model-flags must give the vocabulary (--vocab-size N, as the checkpoint's "
+                                "padded vocabulary) besides the architecture flags")
+    args = parse_args(argv + ["--mock-data", "--tokenizer-type", "NullTokenizer", "--micro-batch-size", "1",
+                              "--train-iters", "1", "--lr", "0", "--make-vocab-size-divisible-by", "1"],
+                      world_size=1)
+    return gpt_config_from_args(args), _plain(vars(args))
+
+
+def _plain(values: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in values.items() if v is None or type(v) in (bool, int, float, str)
+            or type(v) in (list, tuple) and all(type(x) in (bool, int, float, str) for x in v)}
+
+
+def plain_config(config: GPTConfig) -> dict[str, Any]:
+    """``config`` as plain values (enums by value), which ``GPTConfig(**...)`` takes back."""
+    return {k: v.value if isinstance(v, enum.Enum) else v for k, v in dataclasses.asdict(config).items()}
+
+
+def _saved_state(located: Located) -> dict[str, Any]:
+    """What a Megatron-style checkpoint keeps besides the tensors: the fsdp_dtensor extra
+    state, the torch file's entries (its model too: memory-mapped), torch_dist's common.pt."""
+    if located.format is CheckpointFormat.FSDP_DTENSOR:
+        extra = torch.load(os.path.join(located.data_dir, EXTRA_STATE_FILE.format(rank=0)), weights_only=True)
+        return extra if isinstance(extra, dict) else {}
+    if located.format is CheckpointFormat.TORCH:
+        return torch.load(model_file(located.root, located.iteration), weights_only=False, mmap=True)
+    return common_state(located.data_dir)
+
+
+def _saved_args(saved: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """The launcher flags a Megatron-style checkpoint keeps, or None."""
+    args = saved.get("args")
+    if isinstance(args, argparse.Namespace):
+        return _plain(vars(args))
+    return args if isinstance(args, dict) and args else None
+
+
+def _megatron_config(located: Located, saved: dict[str, Any], args: Optional[dict[str, Any]]) -> Optional[GPTConfig]:
+    if saved.get(CONFIG_KEY):
+        return GPTConfig(**saved[CONFIG_KEY])
+    if args is None:
+        return None
+    try:
+        return gpt_config_from_args(argparse.Namespace(**args))
+    except AttributeError as exc:  # written by another program: not the launcher's flags
+        raise ArchitectureError(f"{located.data_dir}: the saved args lack {exc.name!r}; give the model with "
+                                "--model-flags '...' (the launcher's architecture flags)") from None
+
+
+def read_source(located: Located, model_flags: Optional[str] = None) -> Source:
+    """The input's model: from ``model_flags`` when given, else from the checkpoint."""
+    if located.format is CheckpointFormat.HF:
+        hf_config = read_hf_config(located.data_dir)
+        config, family = gpt_config_from_hf(hf_config)
+        return Source(config, family, hf_config, {})
+    if model_flags:
+        config, args = _from_flags(model_flags)
+        return Source(config, None, None, args)
+    saved = _saved_state(located)
+    args = _saved_args(saved)
+    config = _megatron_config(located, saved, args)
+    if config is None:
+        raise ArchitectureError(
+            f"{located.data_dir} ({located.format.value}) does not record its model (no launcher args or "
+            "configuration in it: Megatron-LM wrote it, or an older version); give it with --model-flags "
+            "'--num-layers ... --hidden-size ... --vocab-size ...' (the launcher's flags)")
+    return Source(config, None, None, args or {})
+
+
+def infer_family(config: GPTConfig) -> HFFamily:
+    """The Hugging Face family that holds ``config``'s architecture (``--family`` overrides)."""
+    if config.position_embedding_type is PositionEmbeddingType.LEARNED_ABSOLUTE and not config.swiglu:
+        return HFFamily.GPT2
+    if not config.swiglu or config.position_embedding_type is not PositionEmbeddingType.ROPE:
+        raise ArchitectureError(
+            "no Hugging Face family holds this model (GPT-2: learned positions and GELU; the others: RoPE and "
+            f"SwiGLU; it has position_embedding_type={config.position_embedding_type.value}, "
+            f"swiglu={config.swiglu}); write another format, or pass --family if you know one fits")
+    if config.num_moe_experts:
+        return HFFamily.MIXTRAL
+    if config.qk_layernorm:
+        return HFFamily.QWEN3
+    if config.add_qkv_bias:
+        return HFFamily.QWEN2
+    return HFFamily.LLAMA
