@@ -31,8 +31,8 @@ pytest.importorskip("megatron.core")
 
 from hf_models import FAMILIES, hf_logits, tiny_hf_model  # noqa: E402
 from launcher_inprocess import launch_task  # noqa: E402
-from megatron_fsdp.convert.architecture import ArchitectureError, infer_family  # noqa: E402
 from megatron_fsdp.convert.cli import main  # noqa: E402
+from megatron_fsdp.interop.hf_config import HFConfigUnsupported, hf_family_for  # noqa: E402
 from megatron_fsdp.models.gpt import GPTConfig  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -195,9 +195,9 @@ def test_refusals_name_the_problem_and_the_fix(tmp_path, capsys):
 def test_no_family_holds_a_gelu_model_with_rotary_positions():
     config = GPTConfig(vocab_size=64, seq_length=16, num_layers=1, hidden_size=32, num_attention_heads=4,
                        position_embedding_type="rope")
-    with pytest.raises(ArchitectureError, match="no Hugging Face family holds this model"):
-        infer_family(config)
-    assert infer_family(GPTConfig(vocab_size=64, seq_length=16, num_layers=1, hidden_size=32,
+    with pytest.raises(HFConfigUnsupported, match="no Hugging Face family holds this model"):
+        hf_family_for(config)
+    assert hf_family_for(GPTConfig(vocab_size=64, seq_length=16, num_layers=1, hidden_size=32,
                                   num_attention_heads=4)).value == "gpt2"
 
 

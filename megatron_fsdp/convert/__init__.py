@@ -9,8 +9,7 @@ Modules, one concern each:
 
 - ``formats.py``: which format a directory holds (``locate``), and where its data lies.
 - ``architecture.py``: the model the checkpoint holds (``read_source``: ``config.json``, the
-  configuration in ``common.pt``, or the launcher's saved flags), and the Hugging Face family
-  that fits a configuration (``infer_family``).
+  configuration in ``common.pt``, or the launcher's saved flags).
 - ``model_io.py``: the model in between: built, read from the input, written to the output.
 - ``cli.py``: the command line (``main``); ``__main__.py`` runs it for ``python -m``.
 """

@@ -26,7 +26,7 @@ import torch
 from megatron_fsdp.interop.hf_config import HFFamily, gpt_config_from_hf, read_hf_config
 from megatron_fsdp.interop.torch_dist import CONFIG_KEY
 from megatron_fsdp.interop.torch_dist_io import common_state
-from megatron_fsdp.models.gpt import GPTConfig, PositionEmbeddingType
+from megatron_fsdp.models.gpt import GPTConfig
 from megatron_fsdp.state import EXTRA_STATE_FILE
 from megatron_fsdp.training.args.arguments import parse_args
 from megatron_fsdp.training.checkpoint.torch_checkpoint import model_file
@@ -34,7 +34,7 @@ from megatron_fsdp.training.model_setup import gpt_config_from_args
 
 from .formats import CheckpointFormat, Located
 
-__all__ = ["ArchitectureError", "Source", "infer_family", "plain_config", "read_source"]
+__all__ = ["ArchitectureError", "Source", "plain_config", "read_source"]
 
 
 class ArchitectureError(ValueError):
@@ -125,21 +125,3 @@ def read_source(located: Located, model_flags: Optional[str] = None) -> Source:
             "configuration in it: Megatron-LM wrote it, or an older version); give it with --model-flags "
             "'--num-layers ... --hidden-size ... --vocab-size ...' (the launcher's flags)")
     return Source(config, None, None, args or {})
-
-
-def infer_family(config: GPTConfig) -> HFFamily:
-    """The Hugging Face family that holds ``config``'s architecture (``--family`` overrides)."""
-    if config.position_embedding_type is PositionEmbeddingType.LEARNED_ABSOLUTE and not config.swiglu:
-        return HFFamily.GPT2
-    if not config.swiglu or config.position_embedding_type is not PositionEmbeddingType.ROPE:
-        raise ArchitectureError(
-            "no Hugging Face family holds this model (GPT-2: learned positions and GELU; the others: RoPE and "
-            f"SwiGLU; it has position_embedding_type={config.position_embedding_type.value}, "
-            f"swiglu={config.swiglu}); write another format, or pass --family if you know one fits")
-    if config.num_moe_experts:
-        return HFFamily.MIXTRAL
-    if config.qk_layernorm:
-        return HFFamily.QWEN3
-    if config.add_qkv_bias:
-        return HFFamily.QWEN2
-    return HFFamily.LLAMA

@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_fsdp.interop.hf_checkpoint import HFCheckpointError
-from megatron_fsdp.interop.hf_config import HFConfigMismatch, HFConfigUnsupported, HFFamily
+from megatron_fsdp.interop.hf_config import HFConfigMismatch, HFConfigUnsupported, HFFamily, hf_family_for
 from megatron_fsdp.interop.torch_dist import TorchDistMismatchError
 
-from .architecture import ArchitectureError, infer_family, read_source
+from .architecture import ArchitectureError, read_source
 from .formats import CheckpointFormat, UnknownFormatError, locate
 from .model_io import build_model, read_into, write_from
 
@@ -85,7 +85,7 @@ def convert(args: argparse.Namespace) -> str:
     out_format = CheckpointFormat(args.output_format)
     family = None
     if out_format is CheckpointFormat.HF:
-        family = HFFamily(args.family) if args.family else source.family or infer_family(source.config)
+        family = HFFamily(args.family) if args.family else source.family or hf_family_for(source.config)
     tokenizer_dir = args.tokenizer_dir or (located.data_dir if located.format is CheckpointFormat.HF else None)
     model = build_model(source)
     read_into(model, located, source)

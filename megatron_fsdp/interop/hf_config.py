@@ -6,6 +6,7 @@ numbers and the values they must have. ``gpt_config_from_hf`` builds a config fr
 ``check_gpt_config_against_hf`` compares a given config with them field by field, and
 ``hf_config_from_gpt`` writes a ``config.json`` and then checks it the same way, so a
 configuration the family cannot express is refused by the same rules that read it.
+``hf_family_for`` picks the family for a model that did not come from a ``config.json``.
 
 [Note: what is refused] Anything the embedded GPT would compute differently raises
 ``HFConfigUnsupported`` naming the field and its value, before any weight is read: RoPE
@@ -254,6 +255,27 @@ def check_gpt_config_against_hf(cfg: GPTConfig, hf_config: dict) -> None:
                                + ". Build the config with gpt_config_from_hf, or change these fields")
     if family is not HFFamily.GPT2:
         _check_window(hf_config, family, cfg.seq_length)
+
+
+def hf_family_for(cfg: GPTConfig) -> HFFamily:
+    """The Hugging Face family whose model computes what ``cfg`` computes, for a model that did
+    not come from a ``config.json`` (GPT-2: learned positions and GELU; the others RoPE and
+    SwiGLU: Mixtral with experts, Qwen3 with QK norms, Qwen2 with QKV biases, else Llama).
+    ``hf_config_from_gpt`` still checks every field the family must express."""
+    if cfg.position_embedding_type is PositionEmbeddingType.LEARNED_ABSOLUTE and not cfg.swiglu:
+        return HFFamily.GPT2
+    if not cfg.swiglu or cfg.position_embedding_type is not PositionEmbeddingType.ROPE:
+        raise HFConfigUnsupported(
+            "no Hugging Face family holds this model (GPT-2: learned positions and GELU; the others: RoPE and "
+            f"SwiGLU; it has position_embedding_type={cfg.position_embedding_type.value}, swiglu={cfg.swiglu}); "
+            "keep it in a Megatron format, or name a family if you know one fits")
+    if cfg.num_moe_experts:
+        return HFFamily.MIXTRAL
+    if cfg.qk_layernorm:
+        return HFFamily.QWEN3
+    if cfg.add_qkv_bias:
+        return HFFamily.QWEN2
+    return HFFamily.LLAMA
 
 
 def hf_config_from_gpt(cfg: GPTConfig, family: HFFamily, *, vocab_size: int | None = None) -> dict:

@@ -26,12 +26,13 @@ import logging
 import os
 import sys
 import time
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from megatron_fsdp.comm import device as device_mod
-from megatron_fsdp.training.checkpoint import dcp_checkpoint as checkpointing, torch_checkpoint
+from megatron_fsdp.training.checkpoint import dcp_checkpoint as checkpointing, hf_weights, torch_checkpoint
 from megatron_fsdp.training import determinism
 from megatron_fsdp.models.config import MoELoadBalancing
 from megatron_fsdp.training.args.arg_types import DataParallelPath
@@ -55,7 +56,7 @@ from megatron_fsdp.training.exit_conditions import ExitConditions
 from megatron_fsdp.training.observe.timers import Timers
 from megatron_fsdp.training.optim.loss_scaler import LossScaler
 from megatron_fsdp.training.optim.lr_schedule import LRSchedule, ScheduleResume
-from megatron_fsdp.training.model_setup import setup_model_and_optimizer
+from megatron_fsdp.training.model_setup import gpt_config_from_args, setup_model_and_optimizer
 from megatron_fsdp.training.observe.plot import plot_loss_curve
 from megatron_fsdp.training.observe.replica_check import check_weight_replicas
 from megatron_fsdp.training.training_step import StepContext, TrainState, evaluate, train_step
@@ -132,26 +133,43 @@ def checkpoint_extra_state(args, ctx: StepContext, state: TrainState) -> dict:
     }
 
 
+def checkpoint_source(args) -> tuple[Optional[str], bool]:
+    """(directory to read, weights only): --load, or Megatron-LM's --pretrained-checkpoint
+    with --finetune's semantics when --load holds no checkpoint (or is not given)."""
+    def holds(path: Optional[str]) -> bool:
+        return bool(path) and (hf_weights.is_hf_directory(path) or checkpointing.read_tracker(path) is not None
+                               or torch_checkpoint.holds_checkpoint(path, args.ckpt_step))
+
+    if args.pretrained_checkpoint and not holds(args.load):
+        logger.info("> no checkpoint in --load %s: fine-tuning from --pretrained-checkpoint %s", args.load,
+                    args.pretrained_checkpoint)
+        return args.pretrained_checkpoint, True
+    return args.load, args.finetune or hf_weights.is_hf_directory(args.load)
+
+
 def restore(args, ctx: StepContext, state: TrainState) -> None:
     """Megatron-LM's resume: weights always; progress unless --finetune; optimizer,
     learning-rate schedule and loss scale unless --no-load-optim or --finetune (Megatron-LM
     loads the three together: with --no-load-optim the schedule restarts, warmup
     included, while the iteration count goes on); RNG unless --no-load-rng or
     --finetune. The format is the one on disk, whatever --ckpt-format says (as
-    Megatron-LM's loader tells them apart)."""
-    optimizer = None if (args.no_load_optim or args.finetune) else ctx.bundle.optimizer
-    if torch_checkpoint.holds_checkpoint(args.load, args.ckpt_step):
-        extra = torch_checkpoint.load(args.load, ctx.bundle.model, optimizer, step=args.ckpt_step,
-                                      finetune=args.finetune)
+    Megatron-LM's loader tells them apart); a Hugging Face directory is a fine-tune's start."""
+    path, finetune = checkpoint_source(args)
+    if hf_weights.is_hf_directory(path):
+        hf_weights.load_hf_weights(ctx.bundle.model, path, gpt_config_from_args(args))
+        return
+    optimizer = None if (args.no_load_optim or finetune) else ctx.bundle.optimizer
+    if torch_checkpoint.holds_checkpoint(path, args.ckpt_step):
+        extra = torch_checkpoint.load(path, ctx.bundle.model, optimizer, step=args.ckpt_step, finetune=finetune)
     else:
-        if optimizer is not None and not checkpointing.holds_optimizer_state(args.load, args.ckpt_step):
+        if optimizer is not None and not checkpointing.holds_optimizer_state(path, args.ckpt_step):
             optimizer = None  # a weights-only checkpoint (converted): read as --finetune reads one
-        extra = checkpointing.load(args.load, ctx.bundle.model, optimizer, step=args.ckpt_step)
+        extra = checkpointing.load(path, ctx.bundle.model, optimizer, step=args.ckpt_step)
     if not extra:
         return
-    if args.finetune or "train_state" not in extra:
+    if finetune or "train_state" not in extra:
         logger.info("> %s: loaded the weights only; iteration, schedule and optimizer start fresh",
-                    "--finetune" if args.finetune else "a weights-only checkpoint (python -m megatron_fsdp.convert)")
+                    "--finetune" if finetune else "a weights-only checkpoint (python -m megatron_fsdp.convert)")
         return
     state.load_state_dict(extra["train_state"])
     if args.no_load_optim:
@@ -378,7 +396,7 @@ def run(args, device: torch.device) -> int:
                       log_params_norm=args.log_params_norm, log_num_zeros=args.log_num_zeros_in_grad,
                       seq_length=args.seq_length)
     state = TrainState()
-    if args.load:
+    if args.load or args.pretrained_checkpoint:
         restore(args, ctx, state)
         if state.iteration:
             logger.info("> resuming at iteration %d, %d samples consumed", state.iteration,
@@ -402,6 +420,10 @@ def run(args, device: torch.device) -> int:
     # condition (it leaves at once).
     if args.eval_iters and not exited_early:
         maybe_evaluate(args, ctx, state, valid_src, metrics, dash)
+    if args.export_hf_dir:
+        hf_weights.export_hf(bundle.model, args.export_hf_dir, gpt_config_from_args(args),
+                             source=checkpoint_source(args)[0], family=args.export_hf_family,
+                             tokenizer_dir=hf_tokenizer_dir(args))
     dash.close()
     if dist.get_rank() == 0:
         write_outputs(args, metrics)
@@ -412,6 +434,13 @@ def run(args, device: torch.device) -> int:
         bundle.model.finish_param_sync()
     dist.barrier()
     return 0
+
+
+def hf_tokenizer_dir(args) -> Optional[str]:
+    """The tokenizer files an --export-hf-dir copies: a HuggingFaceTokenizer's directory."""
+    if args.tokenizer_type == "HuggingFaceTokenizer" and args.tokenizer_model and os.path.isdir(args.tokenizer_model):
+        return args.tokenizer_model
+    return None
 
 
 def write_outputs(args, metrics: MetricsRecorder) -> None:

@@ -553,13 +553,16 @@ def _io(args, world_size) -> list[str]:
         problems.append(f"--save {args.save!r} needs a positive --save-interval")
     if args.ckpt_step is not None and args.load is None:
         problems.append(f"--ckpt-step={args.ckpt_step} needs --load DIR (the checkpoint root to read it from)")
-    if args.finetune and args.load is None:
+    if args.finetune and args.load is None and args.pretrained_checkpoint is None:
         problems.append("--finetune needs --load DIR (the checkpoint whose weights to start from)")
     if args.async_save and args.save is None:
         problems.append("--async-save needs --save DIR")
     from ..checkpoint.torch_checkpoint import option_problems as torch_format_problems
 
     problems += torch_format_problems(args)  # --ckpt-format torch's rules (Megatron-LM's and this launcher's)
+    from ..checkpoint.hf_weights import hf_problems
+
+    problems += hf_problems(args)  # Hugging Face directories in and out
     retain = args.save_retain_interval
     if retain is not None and args.save is not None and args.save_interval:  # Megatron-LM's rules
         if retain <= 0 or retain % args.save_interval:

@@ -4,4 +4,6 @@
   engine's DCP checkpoints (``megatron_fsdp.state``), RNG state, asynchronous saves.
 - ``torch_checkpoint.py``: Megatron-LM's legacy ``--ckpt-format torch`` (one ``torch.save``
   file, plus ``distrib_optim.pt`` for the distributed optimizer).
+- ``hf_weights.py``: Hugging Face directories: ``--load`` / ``--pretrained-checkpoint`` of one
+  (a fine-tune's start) and ``--export-hf-dir``.
 """
