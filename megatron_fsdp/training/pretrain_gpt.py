@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_fsdp.comm import device as device_mod
-from megatron_fsdp.training.checkpoint import dcp_checkpoint as checkpointing, hf_weights, torch_checkpoint
+from megatron_fsdp.training.checkpoint import dcp_checkpoint as checkpointing, hf_weights, mcore_dist, torch_checkpoint
 from megatron_fsdp.training import determinism
 from megatron_fsdp.models.config import MoELoadBalancing
 from megatron_fsdp.training.args.arg_types import DataParallelPath
@@ -161,11 +161,15 @@ def restore(args, ctx: StepContext, state: TrainState) -> None:
     optimizer = None if (args.no_load_optim or finetune) else ctx.bundle.optimizer
     if torch_checkpoint.holds_checkpoint(path, args.ckpt_step):
         extra = torch_checkpoint.load(path, ctx.bundle.model, optimizer, step=args.ckpt_step, finetune=finetune)
+    elif mcore_dist.holds_checkpoint(path, args.ckpt_step):
+        if optimizer is not None and not mcore_dist.holds_optimizer_state(path, args.ckpt_step):
+            optimizer = None  # a weights-only checkpoint (converted): read as --finetune reads one
+        extra = mcore_dist.load(path, ctx.bundle.model, optimizer, gpt_config_from_args(args), step=args.ckpt_step)
     else:
         if optimizer is not None and not checkpointing.holds_optimizer_state(path, args.ckpt_step):
             optimizer = None  # a weights-only checkpoint (converted): read as --finetune reads one
         extra = checkpointing.load(path, ctx.bundle.model, optimizer, step=args.ckpt_step)
-    if not extra:
+    if extra is None:  # no checkpoint there (Megatron-LM's warning was logged)
         return
     if finetune or "train_state" not in extra:
         logger.info("> %s: loaded the weights only; iteration, schedule and optimizer start fresh",
@@ -208,12 +212,20 @@ class Saver:
         retain = args.save_retain_interval
         self.async_saver = checkpointing.AsyncSaver(retain) if args.async_save else None
         self.last_saved = 0
+        self.mcore_format = args.save is not None and args.ckpt_format == "torch_dist"
+        if self.mcore_format and mcore_dist.fallback_reason(args):
+            self.mcore_format = False  # [Note: torch_dist's reach]
+            logger.info("> --ckpt-format torch_dist: this run (%s) is saved in the fsdp_dtensor layout instead of "
+                        "megatron-core's format", mcore_dist.fallback_reason(args))
 
     def save(self, state: TrainState) -> None:
         bundle = self.ctx.bundle
         extra = checkpoint_extra_state(self.args, self.ctx, state)
         if self.async_saver is not None:
             self.async_saver.save(self.args.save, state.iteration, bundle.model, bundle.optimizer, extra)
+        elif self.mcore_format:
+            mcore_dist.save(self.args.save, state.iteration, bundle.model, bundle.optimizer, extra, self.args,
+                            gpt_config_from_args(self.args), retain_interval=self.args.save_retain_interval)
         elif torch_checkpoint.CheckpointFormat(self.args.ckpt_format) is torch_checkpoint.CheckpointFormat.TORCH:
             torch_checkpoint.save(self.args.save, state.iteration, bundle.model, bundle.optimizer, extra, self.args,
                                   retain_interval=self.args.save_retain_interval)
