@@ -81,6 +81,24 @@ def test_version_2_trains_as_version_1_and_resumes_bit_for_bit(pool2, tmp_path):
         assert torch.equal(value, end_resumed[key]), key
 
 
+def mcore_task(rank: int, world: int, *, flags: str) -> dict:
+    from test_launcher_torch_fsdp2 import _mcore_on_cpu
+
+    with _mcore_on_cpu(world):
+        return run_task(rank, world, flags=flags)
+
+
+def test_version_2_shards_megatron_core_models_as_version_1_trains_them(pool2, tmp_path):
+    mcore = (" --use-mcore-models --distributed-backend nccl --swiglu --disable-bias-linear --normalization RMSNorm "
+             "--position-embedding-type rope --untie-embeddings-and-output-weights")
+    v2, v1 = tmp_path / "v2", tmp_path / "v1"
+    seen = pool2.run(mcore_task, flags=V2 + mcore + f" --log-json {v2}.json")
+    pool2.run(mcore_task, flags=mcore + f" --log-json {v1}.json")
+    assert seen[0]["wrapper"] == "MegatronFSDPV2"
+    assert any(name.startswith("module.decoder.layers.0.") for name in seen[0]["params"])
+    _assert_runs_match(_metrics(Path(f"{v2}.json")), _metrics(Path(f"{v1}.json")), TOL)
+
+
 def test_version_2_bf16_keeps_fp32_main_weights(pool2, tmp_path):
     v2, v1 = tmp_path / "v2", tmp_path / "v1"
     seen = pool2.run(run_task, flags=V2 + f" --bf16 --log-json {v2}.json")

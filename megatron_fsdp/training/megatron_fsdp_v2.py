@@ -3,7 +3,7 @@
 (megatron/core/distributed/fsdp/mcore_fsdp_adapter.py) shards it.
 
 Units, as Megatron-LM's: each transformer layer (the embedded GPT's ``TransformerBlock``,
-megatron-core's ``TransformerLayer``) is an FSDP module of its own, sharded bottom-up, and
+megatron-core's ``TransformerLayer`` with ``--use-mcore-models``) is an FSDP module of its own, sharded bottom-up, and
 the root takes the rest (embeddings, final norm, output layer). Every placement is
 ``Shard(0)`` over the data-parallel ranks: weights, gradients and optimizer state (ZeRO-3,
 the only strategy v2 has). The optimizer is the plain torch optimizer over the sharded
@@ -38,7 +38,7 @@ from megatron_fsdp.comm import device as device_mod
 from megatron_fsdp import experimental
 from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
 
-__all__ = ["MegatronFSDPV2", "wrap_megatron_fsdp_v2", "adapt_optimizer"]
+__all__ = ["MegatronFSDPV2", "adapt_optimizer", "mcore_layer_types", "wrap_megatron_fsdp_v2"]
 
 # Weights, gradients and optimizer state sharded on dim 0 over the one data-parallel axis.
 _ZERO3 = experimental.Placements(dp_axes=[0], parameter=[Shard(0)], gradient=[Shard(0)], optimizer=[Shard(0)])
@@ -87,6 +87,14 @@ def wrap_megatron_fsdp_v2(module: nn.Module, unit_types: Sequence[type], policy:
         experimental.fully_shard(module, mesh=mesh, placements=_ZERO3, mixed_precision_policy=policy)
     _restore_marks(module, marks)
     return MegatronFSDPV2(module)
+
+
+def mcore_layer_types() -> list[type]:
+    """megatron-core's layer classes v2 shards as units (Megatron-LM's default
+    ``fsdp_unit_modules``: its transformer layers; the MoE layer is a ``TransformerLayer`` too)."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    return [TransformerLayer]
 
 
 def adapt_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -234,7 +234,8 @@ def setup_model_and_optimizer(args, device: torch.device) -> ModelBundle:
         optimizer = build_optimizer(model, args)  # plain AdamW/SGD on the fp32 shards (DTensors)
     elif args.dp_path is DataParallelPath.MEGATRON_FSDP_V2:
         policy = ddp_config_from_args(args).mixed_precision_policy()  # [Note: v2 mixed precision]
-        model = megatron_fsdp_v2.wrap_megatron_fsdp_v2(module, unit_modules, policy, device,
+        units = unit_modules if unit_modules is not None else megatron_fsdp_v2.mcore_layer_types()
+        model = megatron_fsdp_v2.wrap_megatron_fsdp_v2(module, units, policy, device,
                                                        None if dtype is torch.float32 else dtype)
         optimizer = megatron_fsdp_v2.adapt_optimizer(build_optimizer(model, args))
     else:

@@ -59,9 +59,6 @@ def _not_here(args: argparse.Namespace) -> list[str]:
                         f"{args.expert_model_parallel_size}: v2 does not lay out the expert mesh here; {_V1}")
     if args.fp16:
         problems.append(f"--megatron-fsdp-version 2 with --fp16: v2 runs fp32 or --bf16 here; use --bf16, or {_V1}")
-    if args.use_mcore_models:
-        problems.append(f"--megatron-fsdp-version 2 with --use-mcore-models: v2 shards the embedded GPT here; drop "
-                        f"--use-mcore-models, or {_V1}")
     if args.ckpt_format == "torch":
         problems.append("--megatron-fsdp-version 2 with --ckpt-format torch: Megatron-FSDP checkpoints sharded "
                         "weights (--ckpt-format fsdp_dtensor or torch_dist); use --ckpt-format fsdp_dtensor")
