@@ -58,11 +58,16 @@ CONFIGS = {
 
 @contextlib.contextmanager
 def _mcore_on_cpu():
+    """The CPU bridge, with megatron-core's class-level aux-loss gradient scale reset to its
+    default 1 (a launcher run earlier in the process sets it to 1 / micro batches; see
+    test_models_mcore.py's twin) and its layer-wise loss tracker emptied."""
     from megatron.core.transformer import multi_latent_attention
     from megatron.core.transformer.moe import moe_utils
 
     from mcore_cpu_shim import cpu_shim
 
+    moe_utils.get_moe_layer_wise_logging_tracker().clear()
+    moe_utils.MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))
     te_present = importlib.util.find_spec("transformer_engine") is not None
     with cpu_shim(), mock.patch.object(moe_utils, "te_general_gemm", None, create=True), \
             mock.patch.object(multi_latent_attention, "HAVE_TE", te_present):
