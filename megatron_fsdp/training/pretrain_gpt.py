@@ -141,6 +141,10 @@ def checkpoint_source(args) -> tuple[Optional[str], bool]:
                                or torch_checkpoint.holds_checkpoint(path, args.ckpt_step))
 
     if args.pretrained_checkpoint and not holds(args.load):
+        if not holds(args.pretrained_checkpoint):  # Megatron-LM's rule: one of the two must hold one
+            raise FileNotFoundError(f"no checkpoint in --load {args.load} nor in --pretrained-checkpoint "
+                                    f"{args.pretrained_checkpoint} (a checkpoint root with its tracker file, or a "
+                                    "Hugging Face directory with config.json and safetensors); check the paths")
         logger.info("> no checkpoint in --load %s: fine-tuning from --pretrained-checkpoint %s", args.load,
                     args.pretrained_checkpoint)
         return args.pretrained_checkpoint, True
