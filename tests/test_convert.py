@@ -9,15 +9,22 @@
 * A launcher checkpoint (ZeRO-3 at world 2) converts to a Hugging Face directory whose logits in
   ``transformers`` are the launcher model's; the launcher resumes a converted checkpoint as a
   weights-only one.
-* Refusals: an unknown directory, the wrong --input-format, a non-empty output, --dtype for a
-  Megatron format, a family that cannot hold the model.
+* The launcher's own ``setup_model_and_optimizer`` + ``dcp_checkpoint.load`` read a converted
+  ``fsdp_dtensor`` checkpoint with the original's weights (equal) and logits (1e-5).
+* --hf-config gives an hf output its family and token ids; saved args lacking some launcher
+  flags take the launcher's defaults.
+* Refusals: an unknown directory, the wrong --input-format, a non-empty output, --dtype or
+  --hf-config for a Megatron format, a family that cannot hold the model, a model torch_dist
+  cannot hold, a checkpoint that does not say its sizes.
 """
 
 from __future__ import annotations
 
 import glob
+import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -31,7 +38,9 @@ pytest.importorskip("megatron.core")
 
 from hf_models import FAMILIES, hf_logits, tiny_hf_model  # noqa: E402
 from launcher_inprocess import launch_task  # noqa: E402
-from megatron_fsdp.convert.cli import main  # noqa: E402
+from megatron_fsdp.convert.architecture import Source  # noqa: E402
+from megatron_fsdp.convert.cli import ConversionError, check_target, main  # noqa: E402
+from megatron_fsdp.convert.formats import CheckpointFormat  # noqa: E402
 from megatron_fsdp.interop.hf_config import HFConfigUnsupported, hf_family_for  # noqa: E402
 from megatron_fsdp.models.gpt import GPTConfig  # noqa: E402
 
@@ -165,6 +174,49 @@ def test_a_launcher_checkpoint_becomes_a_transformers_model_and_back(pool2, tmp_
     assert any(" iteration        1/       2 |" in line for line in lines)
 
 
+# A converted Hugging Face Llama in the launcher's flags (the vocabulary of 96 rows kept unpadded).
+LLAMA = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --group-query-attention --num-query-groups 2 "
+         "--ffn-hidden-size 48 --swiglu --normalization RMSNorm --norm-epsilon 1e-6 --position-embedding-type rope "
+         "--untie-embeddings-and-output-weights --disable-bias-linear --seq-length 16 --max-position-embeddings 64 "
+         "--hidden-dropout 0 --attention-dropout 0 --mock-data --tokenizer-type NullTokenizer --vocab-size 96 "
+         "--make-vocab-size-divisible-by 32 --micro-batch-size 2 --global-batch-size 4 --lr 1e-3 --train-iters 1 "
+         "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --ckpt-format fsdp_dtensor ")
+
+
+def launcher_load_task(rank: int, world: int, *, root: str) -> tuple[dict, torch.Tensor, list[str]]:
+    """A launcher-built model (``setup_model_and_optimizer``) after the launcher's own
+    ``dcp_checkpoint.load`` of ``root``: its full weights, logits on TOKENS, the extra state's keys."""
+    import megatron_fsdp as mf
+    from megatron_fsdp.training.args.arguments import parse_args
+    from megatron_fsdp.training.checkpoint import dcp_checkpoint
+    from megatron_fsdp.training.model_setup import setup_model_and_optimizer
+
+    bundle = setup_model_and_optimizer(parse_args(shlex.split(LLAMA), world_size=world), torch.device("cpu"))
+    extra = dcp_checkpoint.load(root, bundle.model, None)
+    weights = mf.get_full_state_dict(bundle.model)
+    with torch.no_grad():
+        logits = bundle.model.eval()(TOKENS)
+    return weights, logits, sorted(extra)
+
+
+def test_the_launcher_loads_a_converted_checkpoint_with_equal_weights(pool2, tmp_path):
+    from megatron_fsdp.interop.hf_checkpoint import load_hf_checkpoint
+    from megatron_fsdp.interop.hf_config import gpt_config_from_hf, read_hf_config
+    from megatron_fsdp.models.gpt import GPT
+
+    hf, original = _hf_dir(tmp_path, "llama")
+    _convert("--input", str(hf), "--output", str(tmp_path / "dt"), "--output-format", "fsdp_dtensor")
+    weights, logits, extra = pool2.run(launcher_load_task, root=str(tmp_path / "dt"))[0]
+    assert "train_state" not in extra and "args" in extra  # weights only: the launcher starts a fine-tune
+    config, _ = gpt_config_from_hf(read_hf_config(hf))
+    reference = GPT(config)
+    load_hf_checkpoint(reference, hf, config=config)
+    expected = reference.state_dict()
+    assert sorted(weights) == sorted(expected)
+    assert all(torch.equal(weights[name], value) for name, value in expected.items())
+    assert (logits - hf_logits(original, TOKENS)).abs().max() <= 1e-5
+
+
 # -- refusals -----------------------------------------------------------------------------------
 def _refused(capsys, *argv: str) -> str:
     assert main(list(argv)) == 2
@@ -189,7 +241,41 @@ def test_refusals_name_the_problem_and_the_fix(tmp_path, capsys):
     err = _refused(capsys, "--input", str(hf), "--output", str(tmp_path / "o"), "--output-format", "hf",
                    "--family", "gpt2")
     assert "gpt2" in err.lower() and "error" in err
+    shutil.copytree(hf, tmp_path / "falcon")
+    config = json.loads((tmp_path / "falcon" / "config.json").read_text())
+    (tmp_path / "falcon" / "config.json").write_text(json.dumps({**config, "model_type": "falcon",
+                                                                 "architectures": ["FalconForCausalLM"]}))
+    err = _refused(capsys, "--input", str(tmp_path / "falcon"), "--output", str(tmp_path / "o"), "--output-format",
+                   "torch")
+    assert "model_type='falcon'" in err and "llama" in err  # the families it reads are listed
     assert not (tmp_path / "o").exists() or not os.listdir(tmp_path / "o")
+
+
+def test_hf_config_gives_the_output_its_family_and_token_ids(tmp_path, capsys):
+    hf, _ = _hf_dir(tmp_path, "llama")
+    _convert("--input", str(hf), "--output", str(tmp_path / "td"), "--output-format", "torch_dist")
+    _convert("--input", str(tmp_path / "td"), "--output", str(tmp_path / "back"), "--output-format", "hf",
+             "--hf-config", str(hf / "config.json"))
+    _assert_same_tensors(hf, tmp_path / "back")
+    written = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert written["model_type"] == "llama" and (written["bos_token_id"], written["eos_token_id"]) == (1, 2)
+    gpt2 = tmp_path / "gpt2.json"
+    gpt2.write_text(json.dumps({"model_type": "gpt2", "vocab_size": 96}))
+    err = _refused(capsys, "--input", str(tmp_path / "td"), "--output", str(tmp_path / "o"), "--output-format", "hf",
+                   "--hf-config", str(gpt2))
+    assert "cannot be written as a gpt2 config.json" in err
+    err = _refused(capsys, "--input", str(hf), "--output", str(tmp_path / "o"), "--output-format", "torch",
+                   "--hf-config", str(gpt2))
+    assert "--hf-config applies to --output-format hf" in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_torch_dist_refuses_a_model_it_cannot_hold_before_reading():
+    config = GPTConfig(vocab_size=64, seq_length=16, num_layers=1, hidden_size=32, num_attention_heads=4,
+                       mtp_num_layers=1)
+    with pytest.raises(ConversionError, match="torch_dist cannot hold this model: mtp_num_layers=1"):
+        check_target(CheckpointFormat.TORCH_DIST, Source(config, None, None, {}))
+    check_target(CheckpointFormat.FSDP_DTENSOR, Source(config, None, None, {}))  # this project's layout holds it
 
 
 def test_no_family_holds_a_gelu_model_with_rotary_positions():
@@ -219,3 +305,20 @@ def test_a_checkpoint_without_its_model_asks_for_model_flags(tmp_path, capsys):
     _convert("--input", str(tmp_path / "pt"), "--output", str(tmp_path / "o"), "--output-format", "hf",
              "--model-flags", flags)
     _assert_same_tensors(hf, tmp_path / "o")
+
+    # Saved args that lack some of the launcher's flags (as Megatron-LM's own): its defaults stand in.
+    _convert("--input", str(tmp_path / "pt"), "--output", str(tmp_path / "pt2"), "--output-format", "torch",
+             "--model-flags", flags)
+    path = tmp_path / "pt2" / "iter_0000000" / "mp_rank_00" / "model_optim_rng.pt"
+    saved = torch.load(path, weights_only=False)
+    saved.pop("megatron_fsdp_gpt_config")
+    assert saved["args"].num_layers == 2 and saved["args"].swiglu
+    del saved["args"].rotary_base, saved["args"].qk_layernorm
+    torch.save(saved, path)
+    _convert("--input", str(tmp_path / "pt2"), "--output", str(tmp_path / "o2"), "--output-format", "hf")
+    _assert_same_tensors(hf, tmp_path / "o2")
+    del saved["args"].hidden_size
+    torch.save(saved, path)
+    err = _refused(capsys, "--input", str(tmp_path / "pt2"), "--output", str(tmp_path / "o3"), "--output-format",
+                   "hf")
+    assert "lack ['hidden_size']" in err and "--model-flags" in err

@@ -10,6 +10,12 @@ checkpoint itself.
 
 A checkpoint without any of these (one Megatron-LM wrote in ``torch_dist``, or an older one)
 takes the launcher's model flags instead (``--model-flags``).
+
+[Note: saved args and the launcher's defaults] Saved args written by the launcher hold every
+flag, derived values included (``padded_vocab_size``). Megatron-LM's own ``args`` (or an older
+launcher's) may lack flags the launcher added; those take the launcher's defaults, which are
+Megatron-LM's behaviour where it has no flag, and the filled architecture flags are logged. The
+sizes (``_SIZES``) never come from defaults: without them the checkpoint does not say its model.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import enum
+import functools
+import logging
 import os
 import shlex
 from typing import Any, Optional
@@ -30,11 +38,21 @@ from megatron_fsdp.models.gpt import GPTConfig
 from megatron_fsdp.state import EXTRA_STATE_FILE
 from megatron_fsdp.training.args.arguments import parse_args
 from megatron_fsdp.training.checkpoint.torch_checkpoint import model_file
-from megatron_fsdp.training.model_setup import gpt_config_from_args
+from megatron_fsdp.training.model_setup import MODEL_FLAG_FIELDS, gpt_config_from_args
 
 from .formats import CheckpointFormat, Located
 
 __all__ = ["ArchitectureError", "Source", "plain_config", "read_source"]
+
+
+logger = logging.getLogger(__name__)
+
+_SIZES = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "padded_vocab_size",
+          "max_position_embeddings")
+"""The saved args every conversion needs ([Note: saved args and the launcher's defaults])."""
+_DATA_FLAGS = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--micro-batch-size", "1", "--train-iters", "1",
+               "--lr", "0"]
+"""What ``parse_args`` needs besides the model (a data source, a schedule): placeholders."""
 
 
 class ArchitectureError(ValueError):
@@ -60,9 +78,7 @@ def _from_flags(flags: str) -> tuple[GPTConfig, dict[str, Any]]:
     if "--vocab-size" not in argv and "--mock-data" not in argv:
         raise ArchitectureError("--model-flags must give the vocabulary (--vocab-size N, as the checkpoint's "
                                 "padded vocabulary) besides the architecture flags")
-    args = parse_args(argv + ["--mock-data", "--tokenizer-type", "NullTokenizer", "--micro-batch-size", "1",
-                              "--train-iters", "1", "--lr", "0", "--make-vocab-size-divisible-by", "1"],
-                      world_size=1)
+    args = parse_args(argv + _DATA_FLAGS + ["--make-vocab-size-divisible-by", "1"], world_size=1)
     return gpt_config_from_args(args), _plain(vars(args))
 
 
@@ -95,16 +111,35 @@ def _saved_args(saved: dict[str, Any]) -> Optional[dict[str, Any]]:
     return args if isinstance(args, dict) and args else None
 
 
+@functools.lru_cache(maxsize=1)
+def _launcher_defaults() -> tuple[tuple[str, Any], ...]:
+    """Every plain-valued flag at the launcher's default (the sizes are placeholders, never used)."""
+    sizes = ["--num-layers", "1", "--hidden-size", "8", "--num-attention-heads", "1", "--seq-length", "8",
+             "--max-position-embeddings", "8", "--vocab-size", "8"]
+    return tuple(_plain(vars(parse_args(sizes + _DATA_FLAGS, world_size=1))).items())
+
+
+def _completed_args(located: Located, args: dict[str, Any]) -> argparse.Namespace:
+    """The saved args with the launcher's defaults for flags they lack ([Note: saved args and
+    the launcher's defaults])."""
+    absent = [name for name in _SIZES if args.get(name) is None]
+    if absent:
+        raise ArchitectureError(f"{located.data_dir}: the saved args lack {absent}; give the model with "
+                                "--model-flags '...' (the launcher's architecture flags)")
+    defaults = dict(_launcher_defaults())
+    filled = sorted({f.dest for f in MODEL_FLAG_FIELDS} - set(args))
+    if filled:
+        logger.info("%s: the saved args lack %s; the launcher's defaults stand in %s", located.data_dir, filled,
+                    {name: defaults.get(name) for name in filled})
+    return argparse.Namespace(**{**defaults, **args})
+
+
 def _megatron_config(located: Located, saved: dict[str, Any], args: Optional[dict[str, Any]]) -> Optional[GPTConfig]:
     if saved.get(CONFIG_KEY):
         return GPTConfig(**saved[CONFIG_KEY])
     if args is None:
         return None
-    try:
-        return gpt_config_from_args(argparse.Namespace(**args))
-    except AttributeError as exc:  # written by another program: not the launcher's flags
-        raise ArchitectureError(f"{located.data_dir}: the saved args lack {exc.name!r}; give the model with "
-                                "--model-flags '...' (the launcher's architecture flags)") from None
+    return gpt_config_from_args(_completed_args(located, args))
 
 
 def read_source(located: Located, model_flags: Optional[str] = None) -> Source:

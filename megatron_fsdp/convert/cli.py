@@ -5,12 +5,15 @@
 
 The input format is detected (``--input-format`` checks it instead), the model read from the
 checkpoint (``--model-flags`` when it does not say). One process holds the whole model;
-under ``torchrun`` each rank holds and reads a ZeRO-3 share.
+under ``torchrun`` each rank holds and reads a ZeRO-3 share. An hf output takes its family from
+``--family``, else ``--hf-config`` / the input's ``config.json``, else the architecture
+(``hf_family_for``). Weights only: optimizer state is not converted.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import logging
 import os
@@ -21,14 +24,17 @@ import torch
 import torch.distributed as dist
 
 from megatron_fsdp.interop.hf_checkpoint import HFCheckpointError
-from megatron_fsdp.interop.hf_config import HFConfigMismatch, HFConfigUnsupported, HFFamily, hf_family_for
+from megatron_fsdp.interop.hf_config import (
+    HFConfigMismatch, HFConfigUnsupported, HFFamily, hf_config_from_gpt, hf_family_for, read_hf_config,
+)
 from megatron_fsdp.interop.torch_dist import TorchDistMismatchError
+from megatron_fsdp.interop.torch_dist_keys import check_supported
 
-from .architecture import ArchitectureError, read_source
+from .architecture import ArchitectureError, Source, read_source
 from .formats import CheckpointFormat, UnknownFormatError, locate
 from .model_io import build_model, read_into, write_from
 
-__all__ = ["ConversionError", "main", "parse"]
+__all__ = ["ConversionError", "check_target", "convert", "main", "parse"]
 
 logger = logging.getLogger("megatron_fsdp.convert")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -47,7 +53,10 @@ def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--input-format", choices=_FORMATS, help="check the detected format is this one")
     p.add_argument("--iteration", type=int, help="which iter_* of a Megatron-LM root (default: the tracker's)")
     p.add_argument("--family", choices=[f.value for f in HFFamily],
-                   help="Hugging Face family of an hf output (default: the input's, else inferred)")
+                   help="Hugging Face family of an hf output (default: --hf-config's, the input's, else inferred "
+                        "from the architecture)")
+    p.add_argument("--hf-config", help="config.json (or its directory) an hf output starts from: its family, "
+                                       "unpadded vocabulary and token ids are kept")
     p.add_argument("--model-flags", help="the launcher's architecture flags, for a checkpoint that records none")
     p.add_argument("--tokenizer-dir", help="tokenizer files copied into an hf output (default: an hf input's)")
     p.add_argument("--dtype", choices=sorted(_DTYPES), help="dtype of an hf output's tensors (default: kept)")
@@ -64,6 +73,11 @@ def _check_request(args: argparse.Namespace) -> None:
     if args.dtype and args.output_format != CheckpointFormat.HF.value:
         raise ConversionError(f"--dtype applies to --output-format hf (safetensors); {args.output_format} keeps the "
                               "fp32 weights the launcher trains")
+    if args.hf_config and args.output_format != CheckpointFormat.HF.value:
+        raise ConversionError(f"--hf-config applies to --output-format hf; drop it for {args.output_format}")
+    if args.hf_config and not os.path.exists(args.hf_config):
+        raise ConversionError(f"--hf-config {args.hf_config}: no such file or directory; give a config.json or "
+                              "the Hugging Face directory holding one")
 
 
 def _join_process_group() -> bool:
@@ -76,6 +90,31 @@ def _join_process_group() -> bool:
     return True
 
 
+def _hf_target(args: argparse.Namespace, source: Source) -> tuple[HFFamily, Optional[dict]]:
+    """The family and ``config.json`` an hf output is written with, checked to hold the model
+    before anything is read ([Note: refuse before reading])."""
+    hf_config = read_hf_config(args.hf_config) if args.hf_config else source.hf_config
+    if args.family:
+        family = HFFamily(args.family)
+    elif hf_config is not None:
+        family = HFFamily.from_hf_config(hf_config)
+    else:
+        family = hf_family_for(source.config)
+    vocab = hf_config.get("vocab_size") if hf_config else None
+    hf_config_from_gpt(source.config, family, vocab_size=vocab)  # raises HFConfigMismatch naming the fields
+    return family, hf_config
+
+
+def check_target(out_format: CheckpointFormat, source: Source) -> None:
+    """[Note: refuse before reading] What the output format cannot carry is refused from the
+    configuration alone, so a failed conversion leaves no half-written output behind."""
+    if out_format is CheckpointFormat.TORCH_DIST:
+        try:
+            check_supported(source.config)
+        except ValueError as exc:
+            raise ConversionError(f"--output-format torch_dist cannot hold this model: {exc}") from None
+
+
 def convert(args: argparse.Namespace) -> str:
     """Read ``--input`` and write ``--output``; returns a one-line summary."""
     _check_request(args)
@@ -83,14 +122,15 @@ def convert(args: argparse.Namespace) -> str:
     located = locate(args.input, iteration=args.iteration, expected=expected)
     source = read_source(located, args.model_flags)
     out_format = CheckpointFormat(args.output_format)
-    family = None
+    family, hf_config = None, source.hf_config
     if out_format is CheckpointFormat.HF:
-        family = HFFamily(args.family) if args.family else source.family or hf_family_for(source.config)
+        family, hf_config = _hf_target(args, source)
+    check_target(out_format, source)
     tokenizer_dir = args.tokenizer_dir or (located.data_dir if located.format is CheckpointFormat.HF else None)
     model = build_model(source)
     read_into(model, located, source)
-    write_from(model, args.output, out_format, located, source, family=family, tokenizer_dir=tokenizer_dir,
-               dtype=_DTYPES.get(args.dtype))
+    write_from(model, args.output, out_format, located, dataclasses.replace(source, hf_config=hf_config),
+               family=family, tokenizer_dir=tokenizer_dir, dtype=_DTYPES.get(args.dtype))
     return (f"converted {located.format.value} {located.data_dir} (iteration {located.iteration}) -> "
             f"{out_format.value} {args.output} on {dist.get_world_size()} rank(s)")
 
