@@ -277,6 +277,8 @@ class PlanRequest:
     """Sequences per data-parallel rank per microbatch: sizes the activation collectives."""
     seq_length: Optional[int] = None
     """Tokens per sequence (before the CP split); ``None``: the preset's ``seq_length``."""
+    gpt: Optional[GPTConfig] = dataclasses.field(default=None, hash=False)
+    """A model of one's own instead of the preset (``model`` then only names it)."""
 
     def __post_init__(self) -> None:
         for name in ("world", "tp", "cp", "ep", "make_vocab_size_divisible_by", "micro_batch_size"):
@@ -335,7 +337,7 @@ class PlanRequest:
     @functools.cached_property
     def config(self) -> GPTConfig:
         """The preset with its vocabulary padded to ``make_vocab_size_divisible_by * tp``."""
-        cfg = gpt_config(self.model)
+        cfg = self.gpt if self.gpt is not None else gpt_config(self.model)
         padded = vocab_size_with_padding(cfg.vocab_size, self.make_vocab_size_divisible_by, self.tp)
         return cfg if padded == cfg.vocab_size else dataclasses.replace(cfg, vocab_size=padded)
 

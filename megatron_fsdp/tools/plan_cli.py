@@ -5,6 +5,9 @@ tensor parallelism; ``--cp N``: context parallelism; ``--ep N``: expert parallel
 mixture-of-experts preset; dense parameters shard over ``--world / tp``, experts over
 ``--world / ep``), the activation collectives of TP, EP and CP per microbatch, and with
 ``--check`` compares them with a build on torch's fake process group (``simulate.py``).
+``--peak`` adds the predicted peak of one step (``peak.py``: persistent state, traced
+activations of one microbatch, gathered units, reduce buckets, optimizer temporaries, and
+the phase where it falls); ``--recompute`` traces with every block recomputed.
 Its own module because it is the one place that needs both: the simulation builds
 through the plan's requests, so the plan cannot import it back.
 """
@@ -19,6 +22,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..enums import ShardingStrategy
+from .peak import PeakOptions, estimate_peak, format_peak
 from .plan import PlanRequest, format_plan, make_plan, model_names
 from .simulate import compare, simulate
 
@@ -55,6 +59,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=None,
                         help="fake-group training steps to record (default: 3 up to 200M parameters, else 0: "
                              "collectives are then counted from the engine's built groups)")
+    parser.add_argument("--peak", action="store_true",
+                        help="also predict the step's peak bytes per rank (activations traced on fake tensors)")
+    parser.add_argument("--recompute", action="store_true", help="with --peak: recompute every block in backward")
+    parser.add_argument("--no-prefetch", action="store_true",
+                        help="with --peak: ZeRO-3 holds one gathered unit in the blocks, not two")
     parser.add_argument("--json", action="store_true", help="print one JSON record per strategy instead of text")
     return parser.parse_args(argv)
 
@@ -92,6 +101,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for request in requests:
         plan = make_plan(request)
         record = plan.as_dict()
+        estimate = None
+        if args.peak:
+            estimate = estimate_peak(plan, PeakOptions(recompute=args.recompute, prefetch=not args.no_prefetch))
+            record["peak"] = estimate.as_dict()
         if args.check:
             steps = args.steps if args.steps is not None else (3 if plan.params <= 200_000_000 else 0)
             measured = simulate(request, steps=steps)
@@ -102,6 +115,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(json.dumps(record), flush=True)
         else:
             print(format_plan(plan))
+            if estimate is not None:
+                print(format_peak(estimate))
             if args.check:
                 _print_check(record)
     return 1 if failed else 0
