@@ -582,12 +582,14 @@ class MegatronFSDP(RefusesCopies, nn.Module):
         gradient buffers once a parameter of it is unfrozen."""
         for group in self.param_and_grad_buffer.groups:
             changed = []
-            for compute, dist_param in zip(group.params, group.dist_params):
+            with torch._C.DisableTorchFunctionSubclass():  # flag reads: no op to route
+                flags = [(d.requires_grad, c.requires_grad) for c, d in zip(group.params, group.dist_params)]
+            for compute, dist_param, (dist_flag, compute_flag) in zip(group.params, group.dist_params, flags):
                 last = self._requires_grad[compute]
-                if dist_param.requires_grad != last:
-                    value = dist_param.requires_grad
-                elif compute.requires_grad != last:
-                    value = compute.requires_grad
+                if dist_flag != last:
+                    value = dist_flag
+                elif compute_flag != last:
+                    value = compute_flag
                 else:
                     continue
                 self._requires_grad[compute] = value

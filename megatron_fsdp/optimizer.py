@@ -389,9 +389,9 @@ class _LocalSwap:
             for p in params:
                 local = p
                 if isinstance(p, DTensor):
-                    if p not in self.twins:
-                        self.twins[p] = _local_twin(optimizer, p)
-                    local = self.twins[p]
+                    local = self.twins.get(p)
+                    if local is None:
+                        local = self.twins[p] = _local_twin(optimizer, p)
                 local_params.append(local)
             self.swapped.append((group, params))
             group["params"] = local_params
@@ -407,8 +407,10 @@ class _LocalSwap:
 
 def _local_twin(optimizer: torch.optim.Optimizer, param: DTensor) -> torch.Tensor:
     local = param._local_tensor.detach()  # shares storage with the parameter's shard
-    if param.grad is not None:
-        local.grad = param.grad._local_tensor if isinstance(param.grad, DTensor) else param.grad
+    with torch._C.DisableTorchFunctionSubclass():  # a read of .grad: no op for the subclass to route
+        grad = param.grad
+    if grad is not None:
+        local.grad = grad._local_tensor if isinstance(grad, DTensor) else grad
     state = optimizer.state.pop(param, None)
     if state is not None:
         optimizer.state[local] = {k: v._local_tensor if isinstance(v, DTensor) else v for k, v in state.items()}

@@ -578,6 +578,10 @@ class ParamAndGradBuffer:
         """Items whose attached ``.grad`` someone replaced or set to ``None`` since
         (``optimizer.zero_grad()``, ``model.zero_grad()``, ``p.grad = None``): their
         main gradients are to be zeroed before more accumulate. Forgets them."""
+        with torch._C.DisableTorchFunctionSubclass():  # reads of .grad: no op to route
+            return self._cleared_grads(group)
+
+    def _cleared_grads(self, group: ParameterGroup) -> list[int]:
         cleared = []
         for index, dist_param in enumerate(group.dist_params):
             deferred = self._deferred.get(dist_param)

@@ -288,8 +288,10 @@ class GradReducePipeline:
         ``.grad`` still attached to the distributed parameter
         (``zero_grad(set_to_none=False)``) may have been written into since, so it
         takes the add."""
-        return (state.reductions_since_zero == 0 and not state.used[index]
-                and group.dist_params[index].grad is None)
+        if state.reductions_since_zero != 0 or state.used[index]:
+            return False
+        with torch._C.DisableTorchFunctionSubclass():  # a read of .grad: no op to route
+            return group.dist_params[index].grad is None
 
     def _copy_in(self, group: ParameterGroup, grads: list, bucket: torch.Tensor, *, accumulate: bool = False) -> None:
         """ZeRO-2/3: write this pass's scaled gradients into the (uninitialised) bucket

@@ -60,7 +60,10 @@ def wrapper_address(tensor: torch.Tensor) -> Optional[int]:
     the optimizer and the forward use, keeps its values, so training would go on from
     the old weights. The wrapper's data pointer is where that replacement shows."""
     try:
-        return torch.Tensor.data_ptr(tensor)
+        # A read, not an op: skipping the subclass's ``__torch_function__`` (no aten op
+        # runs for it to route) gives the same pointer without a Python dispatch.
+        with torch._C.DisableTorchFunctionSubclass():
+            return torch.Tensor.data_ptr(tensor)
     except RuntimeError:  # a torch whose wrappers have no pointer to read: nothing to compare
         return None
 
@@ -198,12 +201,17 @@ class RegisteredParams:
     def check_distributed(self) -> None:
         """Refuse what would make the distributed parameters silently stop meaning the
         weights (the next forward and every optimizer step check, before any change)."""
+        # Attribute reads of the distributed parameters run no op for the subclass to
+        # route: its ``__torch_function__`` would cost a Python dispatch and change nothing.
+        with torch._C.DisableTorchFunctionSubclass():
+            self._check_distributed()
+
+    def _check_distributed(self) -> None:
         for r in self._registrations:
-            name = f"{type(r.module).__name__}.{r.name}"
             if r.dist._post_accumulate_grad_hooks is not None:
-                raise RuntimeError(_POST_ACCUMULATE_MESSAGE.format(name=name))
+                raise RuntimeError(_POST_ACCUMULATE_MESSAGE.format(name=f"{type(r.module).__name__}.{r.name}"))
             if r.dist_address is not None and wrapper_address(r.dist) != r.dist_address:
-                raise RuntimeError(data_assignment_message(name))
+                raise RuntimeError(data_assignment_message(f"{type(r.module).__name__}.{r.name}"))
 
     def check_swappable(self) -> None:
         """Every refusal of ``register_compute``, without swapping anything. The wrapper's
