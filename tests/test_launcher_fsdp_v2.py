@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import shlex
 from pathlib import Path
-from unittest import mock
 
 import pytest
 import torch
 
-from launcher_inprocess import load_pretrain_script
 from megatron_fsdp.training.args.arg_types import ArgumentError, DataParallelPath
 from megatron_fsdp.training.args.arguments import parse_args
-from test_launcher_torch_fsdp2 import _assert_runs_match, _checkpoint, _max_weight_diff, _metrics
+from test_launcher_torch_fsdp2 import _assert_runs_match, _checkpoint, _max_weight_diff, _metrics, launch_and_look
 
 TOL = 1e-5
 BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
@@ -33,23 +31,7 @@ V2 = " --megatron-fsdp-version 2 --no-gradient-accumulation-fusion"
 
 def run_task(rank: int, world: int, *, flags: str) -> dict:
     """One launcher run; the wrapper it built and how its weights are held (from inside)."""
-    script = load_pretrain_script("pretrain_gpt_fsdp_v2")  # patched below: a copy of its own
-    seen = {}
-    setup = script.setup_model_and_optimizer
-
-    def setup_and_look(args, device):
-        from torch.distributed.tensor import DTensor, Shard
-
-        bundle = setup(args, device)
-        seen.update(wrapper=type(bundle.model).__name__, params={
-            name: (isinstance(p, DTensor) and tuple(p.placements) == (Shard(0),), str(p.dtype),
-                   p.to_local().numel() if isinstance(p, DTensor) else p.numel(), p.numel())
-            for name, p in bundle.model.named_parameters()})
-        return bundle
-
-    with mock.patch.object(script, "setup_model_and_optimizer", setup_and_look):
-        script.run(parse_args(shlex.split(BASE + flags), world_size=world), torch.device("cpu"))
-    return seen
+    return launch_and_look(BASE + flags, world, "pretrain_gpt_fsdp_v2")
 
 
 def test_version_2_trains_as_version_1_and_resumes_bit_for_bit(pool2, tmp_path):

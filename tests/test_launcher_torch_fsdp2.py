@@ -64,7 +64,14 @@ def _mcore_on_cpu(world: int):
 
 def run_task(rank: int, world: int, *, flags: str) -> dict:
     """One launcher run; the wrapper it built and how its weights are held (from inside)."""
-    script = load_pretrain_script("pretrain_gpt_torch_fsdp2")  # patched below: a copy of its own
+    with (_mcore_on_cpu(world) if "--use-mcore-models" in flags else contextlib.nullcontext()):
+        return launch_and_look(BASE + flags, world, "pretrain_gpt_torch_fsdp2")
+
+
+def launch_and_look(flags: str, world: int, script_name: str) -> dict:
+    """Run the launcher on ``flags``; return the wrapper it built and, per parameter, whether it
+    is a Shard(0) DTensor, its dtype, and its local and whole sizes."""
+    script = load_pretrain_script(script_name)  # patched below: a copy of its own
     seen = {}
     setup = script.setup_model_and_optimizer
 
@@ -78,10 +85,8 @@ def run_task(rank: int, world: int, *, flags: str) -> dict:
             for name, p in bundle.model.named_parameters()})
         return bundle
 
-    with (_mcore_on_cpu(world) if "--use-mcore-models" in flags else contextlib.nullcontext()), \
-            mock.patch.object(script, "setup_model_and_optimizer", setup_and_look):
-        args = parse_args(shlex.split(BASE + flags), world_size=world)
-        script.run(args, torch.device("cpu"))
+    with mock.patch.object(script, "setup_model_and_optimizer", setup_and_look):
+        script.run(parse_args(shlex.split(flags), world_size=world), torch.device("cpu"))
     return seen
 
 

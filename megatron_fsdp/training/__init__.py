@@ -18,6 +18,8 @@ The training loop's own modules:
 - ``model_setup.py``: build the model and wrap it (Megatron-FSDP, PyTorch DDP or FSDP2),
   build its optimizer.
 - ``torch_fsdp2.py``: ``--use-torch-fsdp2``: PyTorch FSDP2 wrapping as Megatron-LM applies it.
+- ``sharded_view.py``: the launcher's view of a model sharded in place (FSDP2, version 2) and the
+  parameter marks sharding drops.
 - ``megatron_fsdp_v2.py``: ``--megatron-fsdp-version 2``: the per-module API's sharding as
   Megatron-LM's ``FullyShardedDataParallelV2`` applies it.
 - ``training_step.py``: one iteration (micro batches, sync, clipping, checks, step) and evaluation.

@@ -26,7 +26,7 @@ nothing for ``Shard(0)`` gradients and keeps the contract of every other path's 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -38,34 +38,23 @@ from megatron_fsdp.comm import device as device_mod
 from megatron_fsdp import experimental
 from megatron_fsdp.mixed_precision import MixedPrecisionPolicy
 
+from .sharded_view import ShardedModelView, parameter_marks, restore_marks
+
 __all__ = ["MegatronFSDPV2", "adapt_optimizer", "mcore_layer_types", "wrap_megatron_fsdp_v2"]
 
 # Weights, gradients and optimizer state sharded on dim 0 over the one data-parallel axis.
 _ZERO3 = experimental.Placements(dp_axes=[0], parameter=[Shard(0)], gradient=[Shard(0)], optimizer=[Shard(0)])
 
 
-class MegatronFSDPV2(nn.Module):
+class MegatronFSDPV2(ShardedModelView):
     """The launcher's view of a v2-sharded model: ``module`` is the model itself (``fully_shard``
-    made it and its layers ``FsdpModule``s), and the state dict keeps the model's own keys."""
-
-    def __init__(self, module: nn.Module) -> None:
-        super().__init__()
-        self.module = module
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+    made it and its layers ``FsdpModule``s)."""
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """An early micro batch of the step: see [Note: v2 micro batches]."""
         with experimental.microbatch(self.module, is_last=False):
             yield
-
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        return self.module.state_dict(*args, **kwargs)
-
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
 
 def wrap_megatron_fsdp_v2(module: nn.Module, unit_types: Sequence[type], policy: MixedPrecisionPolicy,
@@ -75,7 +64,7 @@ def wrap_megatron_fsdp_v2(module: nn.Module, unit_types: Sequence[type], policy:
     cast before sharding ([Note: v2 mixed precision]); None keeps the module's dtype."""
     if compute_dtype is not None:
         module = module.to(compute_dtype)
-    marks = {name: dict(vars(param)) for name, param in module.named_parameters()}
+    marks = parameter_marks(module)
     mesh = init_device_mesh(device_mod.mesh_device_type(device), (dist.get_world_size(),), mesh_dim_names=("dp",))
     units = [m for m in reversed(list(module.modules())) if m is not module and isinstance(m, tuple(unit_types))]
     if not units:
@@ -85,7 +74,7 @@ def wrap_megatron_fsdp_v2(module: nn.Module, unit_types: Sequence[type], policy:
         for unit in units:
             experimental.fully_shard(unit, mesh=mesh, placements=_ZERO3, mixed_precision_policy=policy)
         experimental.fully_shard(module, mesh=mesh, placements=_ZERO3, mixed_precision_policy=policy)
-    _restore_marks(module, marks)
+    restore_marks(module, marks)
     return MegatronFSDPV2(module)
 
 
@@ -102,13 +91,3 @@ def adapt_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     (gradient casts, compute weights refreshed after each step); returns it."""
     experimental.fully_shard_optimizer(optimizer)
     return optimizer
-
-
-def _restore_marks(module: nn.Module, marks: dict[str, dict[str, Any]]) -> None:
-    """Sharding replaces each parameter with a DTensor parameter; the attributes Megatron
-    conventions set on them (``is_embedding_or_output_parameter`` for --decoupled-lr,
-    megatron-core's tensor-parallel marks) are copied over, as the FSDP2 path does."""
-    for name, param in module.named_parameters():
-        for key, value in marks.get(name, {}).items():
-            if not hasattr(param, key):
-                setattr(param, key, value)

@@ -29,9 +29,8 @@ ranks, as PyTorch DDP's all-reduce does.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from typing import Any, Iterator, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -43,6 +42,7 @@ from megatron_fsdp.comm import device as device_mod
 from megatron_fsdp.models.gpt import GPT
 
 from .args.arg_types import Precision
+from .sharded_view import ShardedModelView, parameter_marks, restore_marks
 
 _COMPUTE_DTYPES = {Precision.FP32: None, Precision.BF16: torch.bfloat16}
 
@@ -80,28 +80,10 @@ class TorchFSDP2Config:
                                     cast_forward_inputs=False)
 
 
-class TorchFullyShardedDataParallel(nn.Module):
+class TorchFullyShardedDataParallel(ShardedModelView):
     """The launcher's view of an FSDP2-sharded model, as Megatron-LM's wrapper of the same
-    name: ``module`` is the model itself (``fully_shard`` made it an ``FSDPModule``), and
-    the state dict keeps the model's own keys, so checkpoints read as every other path's."""
-
-    def __init__(self, module: FSDPModule) -> None:
-        super().__init__()
-        self.module = module
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Nothing to hold back: see [Note: FSDP2 micro batches]."""
-        yield
-
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        return self.module.state_dict(*args, **kwargs)
-
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+    name: ``module`` is the model itself (``fully_shard`` made it an ``FSDPModule``); its
+    ``no_sync`` holds nothing back ([Note: FSDP2 micro batches])."""
 
 
 def wrap_torch_fsdp2(module: nn.Module, config: TorchFSDP2Config, device: torch.device,
@@ -112,7 +94,7 @@ def wrap_torch_fsdp2(module: nn.Module, config: TorchFSDP2Config, device: torch.
     otherwise reorder FSDP2's implicit schedule."""
     if config.compute_dtype is not None:
         _round_to_compute_dtype(module, config.compute_dtype)
-    marks = {name: dict(vars(param)) for name, param in module.named_parameters()}
+    marks = parameter_marks(module)
     mesh = init_device_mesh(device_mod.mesh_device_type(device), (dist.get_world_size(),), mesh_dim_names=("dp",))
     policy = config.mixed_precision_policy()
     previous: Optional[FSDPModule] = None
@@ -125,7 +107,7 @@ def wrap_torch_fsdp2(module: nn.Module, config: TorchFSDP2Config, device: torch.
     # The root (final norm, output layer) keeps FSDP2's default: not resharded after forward,
     # as its backward comes first.
     fully_shard(module, mesh=mesh, mp_policy=policy)
-    _restore_marks(module, marks)
+    restore_marks(module, marks)
     return TorchFullyShardedDataParallel(module)
 
 
@@ -153,13 +135,3 @@ def _round_to_compute_dtype(module: nn.Module, dtype: torch.dtype) -> None:
     module.to(dtype)
     for param in module.parameters():
         param.data = param.data.float()  # the same Parameter object: marks and sharing survive
-
-
-def _restore_marks(module: nn.Module, marks: dict[str, dict[str, Any]]) -> None:
-    """``fully_shard`` replaces every parameter with a DTensor Parameter, dropping the
-    attributes Megatron conventions set on them (``is_embedding_or_output_parameter`` for
-    --decoupled-lr, megatron-core's tensor-parallel marks, ``allreduce`` on experts);
-    Megatron-LM copies them over the same way (pytorch/pytorch#136929)."""
-    for name, param in module.named_parameters():
-        for key, value in marks.get(name, {}).items():
-            setattr(param, key, value)
