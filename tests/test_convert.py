@@ -322,3 +322,26 @@ def test_a_checkpoint_without_its_model_asks_for_model_flags(tmp_path, capsys):
     err = _refused(capsys, "--input", str(tmp_path / "pt2"), "--output", str(tmp_path / "o3"), "--output-format",
                    "hf")
     assert "lack ['hidden_size']" in err and "--model-flags" in err
+
+
+def test_a_padded_vocabulary_loads_with_the_launchers_default_flags(pool2, tmp_path, capsys):
+    """--make-vocab-size-divisible-by 128 pads the Hugging Face vocabulary (96 rows) as the
+    launcher's default pads it, so a run with the default flags starts from the output; with
+    --hf-config the way back drops the padding again, bit for bit."""
+    hf, _ = _hf_dir(tmp_path, "llama")
+    _convert("--input", str(hf), "--output", str(tmp_path / "dt"), "--output-format", "fsdp_dtensor",
+             "--make-vocab-size-divisible-by", "128")
+    flags = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --group-query-attention --num-query-groups 2 "
+             "--ffn-hidden-size 48 --swiglu --normalization RMSNorm --norm-epsilon 1e-6 --position-embedding-type rope "
+             "--untie-embeddings-and-output-weights --disable-bias-linear --seq-length 16 --max-position-embeddings 64 "
+             "--micro-batch-size 2 --global-batch-size 4 --lr 1e-3 --train-iters 1 --log-interval 1 --eval-iters 0 "
+             "--plot-path none --mock-data --tokenizer-type NullTokenizer --vocab-size 96 --use-megatron-fsdp "
+             f"--load {tmp_path / 'dt'}")
+    lines = pool2.run(launch_task, flags=flags)[0]
+    assert any("a weights-only checkpoint" in line for line in lines), lines
+    _convert("--input", str(tmp_path / "dt"), "--output", str(tmp_path / "back"), "--output-format", "hf",
+             "--hf-config", str(hf))
+    _assert_same_tensors(hf, tmp_path / "back")
+    err = _refused(capsys, "--input", str(hf), "--output", str(tmp_path / "x"), "--output-format", "hf",
+                   "--make-vocab-size-divisible-by", "128")
+    assert "pads the vocabulary of an hf input in a Megatron-format output" in err

@@ -29,9 +29,10 @@ from megatron_fsdp.interop.hf_config import (
 )
 from megatron_fsdp.interop.torch_dist import TorchDistMismatchError
 from megatron_fsdp.interop.torch_dist_keys import check_supported
+from megatron_fsdp.models import vocab_size_with_padding
 
 from .architecture import ArchitectureError, Source, read_source
-from .formats import CheckpointFormat, UnknownFormatError, locate
+from .formats import CheckpointFormat, Located, UnknownFormatError, locate
 from .model_io import build_model, read_into, write_from
 
 __all__ = ["ConversionError", "check_target", "convert", "main", "parse"]
@@ -61,6 +62,9 @@ def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--tokenizer-dir", help="tokenizer files copied into an hf output (default: an hf input's)")
     p.add_argument("--dtype", choices=sorted(_DTYPES), help="dtype of an hf output's tensors (default: kept)")
     p.add_argument("--overwrite", action="store_true", help="write into a non-empty --output")
+    p.add_argument("--make-vocab-size-divisible-by", type=int,
+                   help="pad an hf input's vocabulary to a multiple of this in a Megatron-format output, as the "
+                        "launcher's flag of that name pads it (default: kept as it is)")
     return p.parse_args(argv)
 
 
@@ -105,6 +109,19 @@ def _hf_target(args: argparse.Namespace, source: Source) -> tuple[HFFamily, Opti
     return family, hf_config
 
 
+def _padded(source: Source, located: Located, args: argparse.Namespace) -> Source:
+    """``--make-vocab-size-divisible-by``: an hf input's vocabulary padded as the launcher pads
+    it, so that a run with the same flag loads the Megatron-format output (the reader pads)."""
+    multiple = args.make_vocab_size_divisible_by
+    if multiple is None:
+        return source
+    if located.format is not CheckpointFormat.HF or args.output_format == CheckpointFormat.HF.value or multiple <= 0:
+        raise ConversionError(f"--make-vocab-size-divisible-by {multiple} pads the vocabulary of an hf input in a "
+                              "Megatron-format output (a positive multiple); drop it for this conversion")
+    vocab = vocab_size_with_padding(source.hf_config["vocab_size"], multiple)
+    return dataclasses.replace(source, config=dataclasses.replace(source.config, vocab_size=vocab))
+
+
 def check_target(out_format: CheckpointFormat, source: Source) -> None:
     """[Note: refuse before reading] What the output format cannot carry is refused from the
     configuration alone, so a failed conversion leaves no half-written output behind."""
@@ -120,7 +137,7 @@ def convert(args: argparse.Namespace) -> str:
     _check_request(args)
     expected = CheckpointFormat(args.input_format) if args.input_format else None
     located = locate(args.input, iteration=args.iteration, expected=expected)
-    source = read_source(located, args.model_flags)
+    source = _padded(read_source(located, args.model_flags), located, args)
     out_format = CheckpointFormat(args.output_format)
     family, hf_config = None, source.hf_config
     if out_format is CheckpointFormat.HF:
