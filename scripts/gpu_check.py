@@ -497,6 +497,32 @@ def check_fake_world(device: torch.device, world: int = 8) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+FAKE_PARALLEL = (  # the planner's --check on the device: (preset, world, extra flags)
+    ("tiny", 8, ["--tp", "2"]), ("moe-tiny", 8, ["--ep", "2"]), ("tiny", 8, ["--cp", "2"]),
+    ("moe-tiny", 16, ["--ep", "4", "--cp", "2"]),
+)
+
+
+def check_fake_parallel(device: torch.device) -> dict:
+    """Tensor, expert and context parallelism built for rank 0 of a fake group on this device's
+    tensors (the real kernels run, no collective moves data), three steps each: every persistent
+    byte and every collective equal the plan (``megatron-fsdp-plan --check --device``)."""
+    rows, ok = [], True
+    for model, world, extra in FAKE_PARALLEL:
+        cmd = [sys.executable, "-m", "megatron_fsdp.tools.plan_cli", "--model", model, "--world", str(world),
+               "--strategy", "optim_grads_params", "--check", "--json", "--device", device.type, *extra]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
+                                                                         os.environ.get("PYTHONPATH")])))
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+        records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+        passed = proc.returncode == 0 and bool(records) and not any(r["mismatches"] for r in records)
+        ok &= passed
+        rows.append(dict(model=model, world=world, flags=" ".join(extra), passed=passed,
+                         mismatches=[m for r in records for m in r["mismatches"]][:5],
+                         error=None if records else proc.stderr[-2000:]))
+    return dict(passed=ok, rows=rows)
+
+
 PEAK_MODEL = dict(num_layers=4, hidden_size=1024, num_attention_heads=16, seq_length=1024, vocab_size=32768)
 
 
@@ -617,7 +643,8 @@ def main() -> None:
     parser.add_argument("--out", default="results/gpu_check")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
     parser.add_argument("--sections",
-                        default="parity,streams,habits,sanitizer,bf16,checkpoint,memory,syncs,fake_world,peak,profile,step_time")
+                        default="parity,streams,habits,sanitizer,bf16,checkpoint,memory,syncs,fake_world,fake_parallel,peak,profile,"
+                                "step_time")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--impls", default=",".join(STEP_TIME_IMPLS),
@@ -653,6 +680,7 @@ def main() -> None:
         "sanitizer": lambda: check_sanitizer(device, out),
         "upstream": lambda: check_upstream(device, out, args.upstream_wheel),
         "peak": lambda: check_peak(device),
+        "fake_parallel": lambda: check_fake_parallel(device),
     }
     for name in args.sections.split(","):
         start = time.perf_counter()

@@ -21,6 +21,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..comm import device as device_mod
 from ..enums import ShardingStrategy
 from .peak import PeakOptions, estimate_peak, format_peak
 from .plan import PlanRequest, format_plan, make_plan, model_names
@@ -56,6 +57,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--main-grads-dtype", default="fp32", choices=list(_DTYPES))
     parser.add_argument("--grad-comm-dtype", default="auto", choices=list(_DTYPES))
     parser.add_argument("--check", action="store_true", help="build on the fake process group and compare")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="--check: where the shards and the steps' tensors live (cuda runs the real kernels)")
     parser.add_argument("--steps", type=int, default=None,
                         help="fake-group training steps to record (default: 3 up to 200M parameters, else 0: "
                              "collectives are then counted from the engine's built groups)")
@@ -107,7 +110,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             record["peak"] = estimate.as_dict()
         if args.check:
             steps = args.steps if args.steps is not None else (3 if plan.params <= 200_000_000 else 0)
-            measured = simulate(request, steps=steps)
+            measured = simulate(request, steps=steps, device=_check_device(args.device))
             record["measured"] = measured
             record["mismatches"] = compare(plan, measured)
             failed = failed or bool(record["mismatches"])
@@ -120,6 +123,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if args.check:
                 _print_check(record)
     return 1 if failed else 0
+
+
+def _check_device(name: str) -> torch.device:
+    if name == "cuda":
+        device = torch.device("cuda", 0)
+        device_mod.set_device(device)
+        return device
+    return torch.device("cpu")
 
 
 def _print_check(record: dict) -> None:

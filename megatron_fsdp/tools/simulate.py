@@ -55,6 +55,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..comm import device as device_mod
 from ..comm.collectives import record_collectives
 from ..enums import ShardingStrategy
 from ..fully_shard import fully_shard
@@ -91,10 +92,11 @@ def _max_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def simulate(request: PlanRequest, *, steps: int = 3) -> dict[str, Any]:
+def simulate(request: PlanRequest, *, steps: int = 3, device: torch.device = torch.device("cpu")) -> dict[str, Any]:
     """Rank 0's persistent bytes (in all and per parameter kind), the shard groups it
     built, collectives of the last of ``steps`` steps (or of the engine's plan when
-    ``steps == 0``), wrap time and host memory."""
+    ``steps == 0``), wrap time and host memory. ``device``: where the shards and the steps'
+    tensors live (the fake group moves nothing; a CUDA device runs the real kernels)."""
     init_fake_world(request.world)
     module = build_meta_gpt(request.config, request.dtype)
     policy = MixedPrecisionPolicy(
@@ -104,7 +106,7 @@ def simulate(request: PlanRequest, *, steps: int = 3) -> dict[str, Any]:
     )
     rss_before = _rss_bytes()
     start, cpu_start = time.perf_counter(), time.process_time()
-    mesh_kwargs = _parallelize(module, request)
+    mesh_kwargs = _parallelize(module, request, device_mod.mesh_device_type(device))
     model, optimizer = fully_shard(
         module,
         lambda params: torch.optim.AdamW(params, lr=1e-4),
@@ -112,7 +114,7 @@ def simulate(request: PlanRequest, *, steps: int = 3) -> dict[str, Any]:
         zero_dp_strategy=request.strategy.value,
         init_model_with_meta_device=True,
         mixed_precision_policy=policy,
-        device=torch.device("cpu"),
+        device=device,
         **mesh_kwargs,
     )
     wrap_s = time.perf_counter() - start
@@ -127,7 +129,7 @@ def simulate(request: PlanRequest, *, steps: int = 3) -> dict[str, Any]:
         "experts_held": experts_held(model.module),
     }
     if steps > 0:
-        out.update(_run_steps(model, optimizer, steps, request.local_tokens))
+        out.update(_run_steps(model, optimizer, steps, request.local_tokens, device))
         out["optimizer_state_source"] = "optimizer.state after the steps"
         out["memory"]["optimizer_state"] = _optimizer_state_bytes(optimizer, list(optimizer.state))
         out["step_source"] = f"step {steps} of {steps} recorded"
@@ -142,12 +144,12 @@ def simulate(request: PlanRequest, *, steps: int = 3) -> dict[str, Any]:
     return out
 
 
-def _parallelize(module: GPT, request: PlanRequest) -> dict[str, Any]:
+def _parallelize(module: GPT, request: PlanRequest, device_type: str = "cpu") -> dict[str, Any]:
     """Lay ``module`` out as the launcher does (TP plan, CP attention, EP experts) and return the
     meshes ``fully_shard`` takes: ``ParallelDims``'s dense mesh when TP or CP needs one
     (else the default one over every rank), and the expert mesh of a MoE model."""
     dims = ParallelDims(world=request.world, tp=request.tp, cp=request.cp, ep=request.ep)
-    mesh = dims.build_mesh("cpu")
+    mesh = dims.build_mesh(device_type)
     kwargs = dims.wrap_kwargs(mesh, None)
     tp_mesh = dims.tp_mesh(mesh)
     if tp_mesh is not None:
@@ -156,7 +158,7 @@ def _parallelize(module: GPT, request: PlanRequest) -> dict[str, Any]:
     if cp_mesh is not None:
         apply_context_parallel(module, cp_mesh)
     if module.moe_layers():
-        expert_mesh = dims.build_expert_mesh("cpu")
+        expert_mesh = dims.build_expert_mesh(device_type)
         kwargs["expt_device_mesh"] = expert_mesh
         if request.ep > 1:
             apply_expert_parallel(module, dims.ep_mesh(expert_mesh))
@@ -195,14 +197,15 @@ def engine_memory_by_kind(model, optimizer_bytes) -> dict[str, dict[str, int]]:
     return out
 
 
-def _run_steps(model, optimizer, steps: int, shape: tuple[int, int]) -> dict[str, Any]:
+def _run_steps(model, optimizer, steps: int, shape: tuple[int, int],
+               device: torch.device = torch.device("cpu")) -> dict[str, Any]:
     """The collectives of the last of ``steps`` steps on ``shape`` = (micro batch, tokens per
     sequence on this rank): the engine's (``step``), the TP plan's, the CP attention's and the
     EP dispatch's (``tp_step``, ``cp_step``, ``ep_step``; ``ep_exchanges``: the MoE layers' own
     counters), and that step's seconds (``step_s``)."""
     batch, seq = shape
     generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, model.module.config.vocab_size, (batch, seq + 1), generator=generator)
+    tokens = torch.randint(0, model.module.config.vocab_size, (batch, seq + 1), generator=generator).to(device)
     counters = list(kv_exchange_counts(model.module).values()) + list(expert_exchange_counts(model.module).values())
     out: dict[str, Any] = {}
     for _ in range(steps):
