@@ -20,8 +20,8 @@ import re
 from ...comm import device as device_mod
 from ...enums import ShardingStrategy
 from ...models.config import megatron_swiglu_ffn_hidden_size
-from . import (activation_offload_flags, ep_cp_flags, fsdp_v2_flags, mla_flags, mtp_flags, muon_flags, torch_fsdp2_flags,
-               tp_flags)
+from . import (activation_offload_flags, checkpoint_flags, ep_cp_flags, fsdp_v2_flags, mla_flags, mtp_flags, muon_flags,
+               torch_fsdp2_flags, tp_flags)
 from .. import determinism
 from ..data import tokenizers
 from .arg_types import BYTE_VOCAB_SIZE, DataParallelPath, LRDecayStyle, Precision, TokenizerType, recompute_granularity
@@ -548,26 +548,7 @@ def _fim(args, world_size) -> list[str]:
 
 
 def _io(args, world_size) -> list[str]:
-    problems = []
-    if args.save is not None and (args.save_interval is None or args.save_interval <= 0):  # Megatron-LM rule
-        problems.append(f"--save {args.save!r} needs a positive --save-interval")
-    if args.ckpt_step is not None and args.load is None:
-        problems.append(f"--ckpt-step={args.ckpt_step} needs --load DIR (the checkpoint root to read it from)")
-    if args.finetune and args.load is None and args.pretrained_checkpoint is None:
-        problems.append("--finetune needs --load DIR (the checkpoint whose weights to start from)")
-    if args.async_save and args.save is None:
-        problems.append("--async-save needs --save DIR")
-    from ..checkpoint.torch_checkpoint import option_problems as torch_format_problems
-
-    problems += torch_format_problems(args)  # --ckpt-format torch's rules (Megatron-LM's and this launcher's)
-    from ..checkpoint.hf_weights import hf_problems
-
-    problems += hf_problems(args)  # Hugging Face directories in and out
-    retain = args.save_retain_interval
-    if retain is not None and args.save is not None and args.save_interval:  # Megatron-LM's rules
-        if retain <= 0 or retain % args.save_interval:
-            problems.append(f"--save-retain-interval={retain} must be a positive multiple of "
-                            f"--save-interval={args.save_interval}")
+    problems = checkpoint_flags.checkpoint_problems(args)
     interval = args.check_weight_hash_across_dp_replicas_interval
     if interval is not None and interval <= 0:
         problems.append(f"--check-weight-hash-across-dp-replicas-interval={interval} must be a positive number "
@@ -577,9 +558,6 @@ def _io(args, world_size) -> list[str]:
         problems.append("--check-weight-hash-across-dp-replicas-interval is not supported with "
                         "--data-parallel-sharding-strategy optim_grads_params (Megatron-LM's rule: the weights are "
                         "sharded, there are no replicas to compare); drop one")
-    if args.verify_integrity and args.ckpt_format != "torch_dist":  # Megatron-LM rule (training_config.py)
-        problems.append(f"--verify-integrity is only supported with --ckpt-format torch_dist (Megatron-LM's rule), "
-                        f"got {args.ckpt_format}; checkpoints here are always checksummed and verified anyway")
     if args.eval_iters < 0:
         problems.append(f"--eval-iters={args.eval_iters} must be >= 0 (0 disables evaluation)")
     if args.eval_iters > 0 and args.eval_interval <= 0:
