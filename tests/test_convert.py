@@ -141,14 +141,9 @@ LAUNCH = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --group-query
 def logits_task(rank: int, world: int, *, root: str) -> torch.Tensor:
     """The launcher checkpoint's weights in the embedded GPT (read by the converter's loader,
     ZeRO-3 over the pool's ranks), on TOKENS."""
-    from megatron_fsdp.convert.architecture import read_source
-    from megatron_fsdp.convert.formats import locate
-    from megatron_fsdp.convert.model_io import build_model, read_into
+    from megatron_fsdp.convert.model_io import open_checkpoint
 
-    located = locate(root)
-    source = read_source(located)
-    model = build_model(source)
-    read_into(model, located, source)
+    model, _ = open_checkpoint(root)
     with torch.no_grad():
         return model.eval()(TOKENS % 64)  # the launcher's vocabulary (--vocab-size 64, padded to 128)
 

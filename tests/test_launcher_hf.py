@@ -74,14 +74,9 @@ def loaded_logits_task(rank: int, world: int, *, flags: str) -> torch.Tensor:
 
 def checkpoint_logits_task(rank: int, world: int, *, root: str, vocab: int = 96) -> torch.Tensor:
     """A launcher checkpoint's weights in the embedded GPT (the converter's reader), on TOKENS."""
-    from megatron_fsdp.convert.architecture import read_source
-    from megatron_fsdp.convert.formats import locate
-    from megatron_fsdp.convert.model_io import build_model, read_into
+    from megatron_fsdp.convert.model_io import open_checkpoint
 
-    located = locate(root)
-    source = read_source(located)
-    model = build_model(source)
-    read_into(model, located, source)
+    model, _ = open_checkpoint(root)
     with torch.no_grad():
         return model.eval()(TOKENS)[..., :vocab]
 

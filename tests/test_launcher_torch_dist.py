@@ -116,16 +116,11 @@ def _stacked_key(name: str) -> tuple[str, int | None]:
 def megatron_core_reads_task(rank: int, world: int, *, torch_dist_dir: str, dtensor_root: str) -> dict:
     import megatron_fsdp as mf
     from megatron.core.dist_checkpointing.serialization import load_plain_tensors
-    from megatron_fsdp.convert.architecture import read_source
-    from megatron_fsdp.convert.formats import locate
-    from megatron_fsdp.convert.model_io import build_model, read_into
+    from megatron_fsdp.convert.model_io import open_checkpoint
     from megatron_fsdp.models.mcore import to_mcore_state_dict
 
     theirs = load_plain_tensors(torch_dist_dir)  # whole tensors, with common.pt's entries beside
-    located = locate(dtensor_root)
-    source = read_source(located)
-    model = build_model(source)
-    read_into(model, located, source)
+    model, source = open_checkpoint(dtensor_root)
     want = to_mcore_state_dict(mf.get_full_state_dict(model), source.config)
     diffs = {}
     for name, tensor in want.items():

@@ -124,14 +124,9 @@ def torch_dist_weights_task(rank: int, world: int, *, root: str) -> dict[str, to
     """The whole weights of a megatron-core torch_dist checkpoint (what --ckpt-format torch_dist
     writes for the DDP paths), under the model's own names, prefixed as _checkpoint keys them."""
     import megatron_fsdp as mf
-    from megatron_fsdp.convert.architecture import read_source
-    from megatron_fsdp.convert.formats import locate
-    from megatron_fsdp.convert.model_io import build_model, read_into
+    from megatron_fsdp.convert.model_io import open_checkpoint
 
-    located = locate(root)
-    source = read_source(located)
-    model = build_model(source)
-    read_into(model, located, source)
+    model, _ = open_checkpoint(root)
     return {f"model.{k}": v for k, v in mf.get_full_state_dict(model).items()}
 
 

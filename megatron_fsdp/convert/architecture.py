@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import enum
 import functools
 import logging
 import os
@@ -37,12 +36,12 @@ from megatron_fsdp.interop.torch_dist_io import common_state
 from megatron_fsdp.models.gpt import GPTConfig
 from megatron_fsdp.state import EXTRA_STATE_FILE
 from megatron_fsdp.training.args.arguments import parse_args
-from megatron_fsdp.training.checkpoint.torch_checkpoint import model_file
+from megatron_fsdp.training.checkpoint.torch_checkpoint import model_file, plain_args
 from megatron_fsdp.training.model_setup import MODEL_FLAG_FIELDS, gpt_config_from_args
 
 from .formats import CheckpointFormat, Located
 
-__all__ = ["ArchitectureError", "Source", "plain_config", "read_source"]
+__all__ = ["ArchitectureError", "Source", "read_source"]
 
 
 logger = logging.getLogger(__name__)
@@ -65,7 +64,7 @@ class Source:
 
     config: GPTConfig
     family: Optional[HFFamily]
-    """The Hugging Face family (``hf`` input), else None (``infer_family`` picks one for ``hf`` output)."""
+    """The Hugging Face family (``hf`` input), else None (``hf_family_for`` picks one for ``hf`` output)."""
     hf_config: Optional[dict]
     """The input's ``config.json`` (its other fields are kept when writing ``hf``)."""
     args: dict[str, Any]
@@ -79,17 +78,7 @@ def _from_flags(flags: str) -> tuple[GPTConfig, dict[str, Any]]:
         raise ArchitectureError("--model-flags must give the vocabulary (--vocab-size N, as the checkpoint's "
                                 "padded vocabulary) besides the architecture flags")
     args = parse_args(argv + _DATA_FLAGS + ["--make-vocab-size-divisible-by", "1"], world_size=1)
-    return gpt_config_from_args(args), _plain(vars(args))
-
-
-def _plain(values: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in values.items() if v is None or type(v) in (bool, int, float, str)
-            or type(v) in (list, tuple) and all(type(x) in (bool, int, float, str) for x in v)}
-
-
-def plain_config(config: GPTConfig) -> dict[str, Any]:
-    """``config`` as plain values (enums by value), which ``GPTConfig(**...)`` takes back."""
-    return {k: v.value if isinstance(v, enum.Enum) else v for k, v in dataclasses.asdict(config).items()}
+    return gpt_config_from_args(args), plain_args(args)
 
 
 def _saved_state(located: Located) -> dict[str, Any]:
@@ -107,7 +96,7 @@ def _saved_args(saved: dict[str, Any]) -> Optional[dict[str, Any]]:
     """The launcher flags a Megatron-style checkpoint keeps, or None."""
     args = saved.get("args")
     if isinstance(args, argparse.Namespace):
-        return _plain(vars(args))
+        return plain_args(args)
     return args if isinstance(args, dict) and args else None
 
 
@@ -116,7 +105,7 @@ def _launcher_defaults() -> tuple[tuple[str, Any], ...]:
     """Every plain-valued flag at the launcher's default (the sizes are placeholders, never used)."""
     sizes = ["--num-layers", "1", "--hidden-size", "8", "--num-attention-heads", "1", "--seq-length", "8",
              "--max-position-embeddings", "8", "--vocab-size", "8"]
-    return tuple(_plain(vars(parse_args(sizes + _DATA_FLAGS, world_size=1))).items())
+    return tuple(plain_args(parse_args(sizes + _DATA_FLAGS, world_size=1)).items())
 
 
 def _completed_args(located: Located, args: dict[str, Any]) -> argparse.Namespace:

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import glob
 import os
 from typing import Optional
 
+from megatron_fsdp.interop.hf_checkpoint import is_hf_directory
 from megatron_fsdp.interop.torch_dist_io import is_torch_dist_checkpoint
 from megatron_fsdp.state import EXTRA_STATE_FILE
 from megatron_fsdp.training.checkpoint.dcp_checkpoint import TRACKER_FILENAME, checkpoint_dir, read_tracker
@@ -60,11 +60,6 @@ class Located:
     """The checkpoint's iteration (0 for ``hf``)."""
 
 
-def _is_hf(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, "config.json")) and bool(
-        glob.glob(os.path.join(path, "*.safetensors")) or os.path.isfile(os.path.join(path, "model.safetensors.index.json")))
-
-
 def _iteration_format(data_dir: str, root: str, iteration: int) -> Optional[CheckpointFormat]:
     if is_torch_dist_checkpoint(data_dir):
         return CheckpointFormat.TORCH_DIST
@@ -94,7 +89,7 @@ def locate(path: str, *, iteration: Optional[int] = None, expected: Optional[Che
     if not os.path.isdir(path):
         raise UnknownFormatError(f"--input {path}: no such directory")
     found: Optional[Located] = None
-    if _is_hf(path):
+    if is_hf_directory(path):
         found = Located(CheckpointFormat.HF, path, None, 0)
     else:
         place = _megatron_place(path, iteration)

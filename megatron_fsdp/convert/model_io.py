@@ -21,15 +21,15 @@ import torch.nn as nn
 import megatron_fsdp as mf
 from megatron_fsdp.interop.hf_checkpoint import load_hf_checkpoint, save_hf_checkpoint
 from megatron_fsdp.interop.hf_config import HFFamily
-from megatron_fsdp.interop.torch_dist import CONFIG_KEY, load_torch_dist, save_torch_dist
+from megatron_fsdp.interop.torch_dist import CONFIG_KEY, load_torch_dist, plain_config, save_torch_dist
 from megatron_fsdp.models.gpt import GPT, TransformerBlock
 from megatron_fsdp.parallel_dims import ParallelDims
 from megatron_fsdp.training.checkpoint import dcp_checkpoint, torch_checkpoint
 
-from .architecture import Source, plain_config
-from .formats import CheckpointFormat, Located
+from .architecture import Source, read_source
+from .formats import CheckpointFormat, Located, locate
 
-__all__ = ["build_model", "read_into", "write_from"]
+__all__ = ["build_model", "open_checkpoint", "read_into", "write_from"]
 
 CONVERTED_KEY = "converted_from"
 """Extra-state key of an ``fsdp_dtensor`` output: the input's format and directory."""
@@ -60,6 +60,16 @@ def read_into(model: nn.Module, located: Located, source: Source) -> None:
         dcp_checkpoint.load(located.root, model, None, step=located.iteration)
     else:
         torch_checkpoint.load(located.root, model, None, step=located.iteration, finetune=True)
+
+
+def open_checkpoint(path: str) -> tuple[nn.Module, Source]:
+    """The checkpoint at ``path`` (any format, detected) in the embedded GPT it describes,
+    sharded over the ranks as ``build_model`` shards it; collective."""
+    located = locate(path)
+    source = read_source(located)
+    model = build_model(source)
+    read_into(model, located, source)
+    return model, source
 
 
 def _full_state(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -13,8 +13,9 @@ Modules, one concern each:
   (memory-mapped) and written shard by shard with their index.
 - ``hf_slices.py``: where a state-dict value's local tensor lies in the whole tensor
   (``local_box``), and reading exactly that box of a checkpoint through a name map.
-- ``hf_checkpoint.py``: ``load_hf_checkpoint`` (each rank reads only the slices it keeps) and
-  ``save_hf_checkpoint`` (gathered one tensor at a time, written by one rank).
+- ``hf_checkpoint.py``: ``load_hf_checkpoint`` (each rank reads only the slices it keeps),
+  ``save_hf_checkpoint`` (gathered one tensor at a time, written by one rank) and
+  ``is_hf_directory``.
 - ``hf_modules.py``: the decoder layers of a ``transformers`` model (``hf_decoder_layer_classes``,
   ``hf_decoder_layers``), found from its ``_no_split_modules``: the FSDP units.
 - ``torch_dist.py``: megatron-core's ``torch_dist`` format through its own

@@ -185,6 +185,17 @@ def _like(value: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
+def is_hf_directory(path: Optional[str | os.PathLike]) -> bool:
+    """A ``transformers`` model directory: ``config.json`` and safetensors weights (one file,
+    shards, or the index of a sharded one)."""
+    if not path:
+        return False
+    path = os.fspath(path)
+    return os.path.isfile(os.path.join(path, "config.json")) and (
+        any(name.endswith(".safetensors") for name in os.listdir(path))
+        or os.path.isfile(os.path.join(path, "model.safetensors.index.json")))
+
+
 def load_hf_checkpoint(model: torch.nn.Module, hf_dir: str | os.PathLike, *, name_map: Optional[NameMap] = None,
                        config: Optional[GPTConfig] = None, dtype: Optional[torch.dtype] = None,
                        strict: bool = True) -> LoadReport:

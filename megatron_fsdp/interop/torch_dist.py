@@ -114,8 +114,9 @@ def _extra_states(cfg: GPTConfig, spec: str) -> dict[str, Any]:
             for o in extra_state_objects(cfg, spec)}
 
 
-def _plain_config(cfg: GPTConfig) -> dict[str, Any]:
-    """``cfg`` as plain Python values (common.pt must unpickle without this package)."""
+def plain_config(cfg: GPTConfig) -> dict[str, Any]:
+    """``cfg`` as plain Python values (common.pt must unpickle without this package), which
+    ``GPTConfig(**...)`` takes back."""
     return {f.name: (getattr(cfg, f.name).value if isinstance(getattr(cfg, f.name), enum.Enum)
                      else getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
 
@@ -156,7 +157,7 @@ def save_torch_dist(model: nn.Module, ckpt_dir: str | os.PathLike, *, config: GP
     common = dict(common_state or {})
     common.setdefault("args", _default_args(config))
     common.setdefault("checkpoint_version", 3.0)
-    common[CONFIG_KEY] = _plain_config(config)
+    common[CONFIG_KEY] = plain_config(config)
     for key in common:
         if key in full:
             raise ValueError(f"common_state key {key!r} is reserved for the tensors; rename it")
@@ -177,7 +178,7 @@ def _architecture_problems(common: dict[str, Any], cfg: GPTConfig) -> list[str]:
     """Fields where the checkpoint's saved architecture differs from ``cfg``."""
     saved = common.get(CONFIG_KEY)
     if isinstance(saved, dict):
-        mine = _plain_config(cfg)
+        mine = plain_config(cfg)
         fields = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
                   "kv_channels", "vocab_size", "num_moe_experts", "swiglu", "normalization",
                   "untie_embeddings_and_output_weights", "add_bias_linear", "qk_layernorm", "position_embedding_type")

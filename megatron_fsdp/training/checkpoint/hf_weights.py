@@ -12,14 +12,12 @@ family's for the flags) and the tokenizer files of a ``HuggingFaceTokenizer`` ru
 
 from __future__ import annotations
 
-import glob
 import logging
-import os
 from typing import Optional
 
 import torch.nn as nn
 
-from megatron_fsdp.interop.hf_checkpoint import load_hf_checkpoint, save_hf_checkpoint
+from megatron_fsdp.interop.hf_checkpoint import is_hf_directory, load_hf_checkpoint, save_hf_checkpoint
 from megatron_fsdp.interop.hf_config import (
     HFFamily, check_gpt_config_against_hf, gpt_config_from_hf, hf_family_for, read_hf_config,
 )
@@ -28,12 +26,6 @@ from megatron_fsdp.models.gpt import GPTConfig
 __all__ = ["export_hf", "hf_problems", "is_hf_directory", "load_hf_weights"]
 
 logger = logging.getLogger(__name__)
-
-
-def is_hf_directory(path: Optional[str]) -> bool:
-    """A ``transformers`` model directory: ``config.json`` and safetensors weights."""
-    return bool(path) and os.path.isfile(os.path.join(path, "config.json")) and bool(
-        glob.glob(os.path.join(path, "*.safetensors")) or os.path.isfile(os.path.join(path, "model.safetensors.index.json")))
 
 
 def hf_problems(args) -> list[str]:
