@@ -216,11 +216,12 @@ class Saver:
         retain = args.save_retain_interval
         self.async_saver = checkpointing.AsyncSaver(retain) if args.async_save else None
         self.last_saved = 0
-        self.mcore_format = args.save is not None and args.ckpt_format == "torch_dist"
-        if self.mcore_format and mcore_dist.fallback_reason(args):
-            self.mcore_format = False  # [Note: torch_dist's reach]
+        wanted = args.save is not None and args.ckpt_format == "torch_dist"
+        fallback = mcore_dist.fallback_reason(args) if wanted else None  # [Note: torch_dist's reach]
+        self.mcore_format = wanted and fallback is None
+        if fallback:
             logger.info("> --ckpt-format torch_dist: this run (%s) is saved in the fsdp_dtensor layout instead of "
-                        "megatron-core's format", mcore_dist.fallback_reason(args))
+                        "megatron-core's format", fallback)
 
     def save(self, state: TrainState) -> None:
         bundle = self.ctx.bundle
